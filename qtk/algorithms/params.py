@@ -1,0 +1,118 @@
+"""Parameters of each algorithm step, as frozen dataclasses (light: no torch import).
+
+The recipe loader validates a step's YAML mapping against the dataclass registered here; an
+algorithm module reads its parameters from the same dataclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Mapping
+
+from qtk.errors import UsageError
+
+STEP_PARAMS: dict[str, type] = {}
+
+
+def register_step(name: str):
+    def deco(cls):
+        cls.step_name = name
+        STEP_PARAMS[name] = cls
+        return cls
+
+    return deco
+
+
+@register_step("rtn")
+@dataclass(frozen=True)
+class RTNParams:
+    """Round-to-nearest with the scheme's observer (min-max or MSE grid)."""
+
+    needs_data = False
+
+    def validate(self, where: str) -> None:
+        pass
+
+
+@register_step("gptq")
+@dataclass(frozen=True)
+class GPTQParams:
+    """GPTQ (Frantar et al., 2022): second-order error compensation per Linear."""
+
+    block_size: int = 128
+    damp_percent: float = 0.01
+    actorder: bool = False
+    static_groups: bool = False
+    max_damp_retries: int = 5
+
+    needs_data = True
+
+    def validate(self, where: str) -> None:
+        if self.block_size <= 0:
+            raise UsageError(f"{where}.block_size: must be positive, got {self.block_size}", "use e.g. 128")
+        if not 0 < self.damp_percent < 1:
+            raise UsageError(f"{where}.damp_percent: must be in (0, 1), got {self.damp_percent}", "use e.g. 0.01")
+        if self.max_damp_retries < 0:
+            raise UsageError(f"{where}.max_damp_retries: must be >= 0", "use e.g. 5")
+
+
+@register_step("awq")
+@dataclass(frozen=True)
+class AWQParams:
+    """AWQ (Lin et al., 2023): activation-aware per-channel scales, then a clip search."""
+
+    grid: int = 20
+    duo_scaling: bool = True
+    clip: bool = True
+    clip_grid: int = 20
+    max_shrink: float = 0.5
+    n_sample_tokens: int = 512
+
+    needs_data = True
+
+    def validate(self, where: str) -> None:
+        if self.grid < 1 or self.clip_grid < 1:
+            raise UsageError(f"{where}.grid: must be >= 1", "use e.g. 20")
+        if not 0 <= self.max_shrink < 1:
+            raise UsageError(f"{where}.max_shrink: must be in [0, 1), got {self.max_shrink}", "use e.g. 0.5")
+        if self.n_sample_tokens <= 0:
+            raise UsageError(f"{where}.n_sample_tokens: must be positive", "use e.g. 512")
+
+
+@register_step("smoothquant")
+@dataclass(frozen=True)
+class SmoothQuantParams:
+    """SmoothQuant (Xiao et al., 2022): migrate activation outliers into weights with strength alpha."""
+
+    alpha: float = 0.5
+
+    needs_data = True
+
+    def validate(self, where: str) -> None:
+        if not 0 <= self.alpha <= 1:
+            raise UsageError(f"{where}.alpha: must be in [0, 1], got {self.alpha}", "use e.g. 0.5 (0.8 for Llama-family)")
+
+
+def parse_step_params(name: str, raw: Any, where: str):
+    cls = STEP_PARAMS[name]
+    if not isinstance(raw, Mapping):
+        raise UsageError(f"{where}: parameters must be a mapping, got {type(raw).__name__}", f"e.g. '- {name}: {{}}'")
+    valid = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for k, v in raw.items():
+        if k not in valid:
+            import difflib
+
+            close = difflib.get_close_matches(str(k), list(valid), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else (f"valid keys: {', '.join(valid)}" if valid else f"{name} takes no parameters")
+            raise UsageError(f"{where}: unknown key '{k}'", hint)
+        default = valid[k].default
+        want = type(default) if default is not MISSING else type(v)
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            raise UsageError(f"{where}.{k}: expected {want.__name__}, got {v!r}", f"set {k} to a {want.__name__}")
+        kwargs[k] = v
+    params = cls(**kwargs)
+    params.validate(where)
+    return params
