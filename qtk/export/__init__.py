@@ -1,0 +1,65 @@
+"""Writers (one per target, keyed by target name) and readers for the same formats.
+
+A writer consumes the pipeline's records (dense tensors, LayerResults) and never modifies them; a reader
+turns a written directory back into a Checkpoint in Hugging Face names, so `qtk inspect` and `qtk eval`
+test the bytes on disk. Registries are plain dicts filled by decorators on import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from qtk.errors import UsageError
+
+WRITERS: dict[str, type] = {}
+READERS: dict[str, type] = {}
+# modules that register writers/readers; imported lazily so `import qtk` stays light
+_MODULES = ("qtk.export.vllm",)
+
+
+def register_writer(cls):
+    WRITERS[cls.target] = cls
+    return cls
+
+
+def register_reader(cls):
+    READERS[cls.format] = cls
+    return cls
+
+
+def _load_all() -> None:
+    for m in _MODULES:
+        importlib.import_module(m)
+
+
+def writer_for(target: str) -> type:
+    _load_all()
+    if target not in WRITERS:
+        raise UsageError(f"unknown target '{target}'", f"available targets: {', '.join(sorted(WRITERS))}")
+    return WRITERS[target]
+
+
+def available_targets() -> list[str]:
+    _load_all()
+    return sorted(WRITERS)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    max_shard_bytes: int = 5 * 10**9
+    tp: int = 1
+    pp: int = 1
+
+
+def open_checkpoint(path: str | Path):
+    """Detect the format of a written checkpoint directory and open it with its reader."""
+    _load_all()
+    p = Path(path)
+    if not p.is_dir():
+        raise UsageError(f"checkpoint directory {p} does not exist", "give the directory qtk convert wrote (e.g. out/vllm)")
+    for reader in READERS.values():
+        if reader.detect(p):
+            return reader(p)
+    raise UsageError(f"{p} is not a checkpoint qtk can read", f"readable formats: {', '.join(sorted(READERS))}")

@@ -73,3 +73,75 @@ def pack_ct_zero_point(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_ct_zero_point(packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
     return (unpack_words(packed.t(), bits, out_features) - offset(bits)).t().contiguous()
+
+
+# ---- legacy GPTQ (FORMATS.md §4) and AWQ GEMM (§5) ----
+
+def _whole_words(n: int, bits: int, what: str) -> None:
+    per = _per_word(bits)
+    if n % per:
+        raise ValueError(f"{what}: {n} values do not fill whole int32 words of {per} {bits}-bit values")
+
+
+def pack_gptq_qweight(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ `qweight`: signed q [out, in] -> int32 [in*bits/32, out], packed along the input dim,
+    sequential, least significant first, stored unsigned (q + 2^(bits-1))."""
+    _whole_words(q.shape[1], bits, "pack_gptq_qweight: in_features")
+    return pack_words(q.to(torch.int64) + offset(bits), bits).t().contiguous()
+
+
+def unpack_gptq_qweight(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_gptq_qweight: int32 [in*bits/32, out] -> signed int8 q [out, in]."""
+    n = packed.shape[0] * _per_word(bits)
+    return (unpack_words(packed.t(), bits, n) - offset(bits)).to(torch.int8)
+
+
+def pack_gptq_qzeros(z: torch.Tensor | None, bits: int, v1: bool = True,
+                     shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """GPTQ `qzeros`: signed zero points z [out, groups] (None = symmetric, then shape=(out, groups) is
+    required) -> int32 [groups, out*bits/32], packed along the output dim, stored unsigned.
+
+    Symmetric zero points are 2^(bits-1). v1 (checkpoint_format "gptq", what readers assume by default)
+    stores z - 1, so symmetric 4-bit gives 0x77777777; v1=False is checkpoint_format "gptq_v2" (raw z).
+    """
+    if z is None:
+        if shape is None:
+            raise ValueError("pack_gptq_qzeros: symmetric (z=None) needs shape=(out_features, groups)")
+        zu = torch.full(shape, offset(bits), dtype=torch.int64)
+    else:
+        zu = z.to(torch.int64) + offset(bits)  # [out, groups]
+    _whole_words(zu.shape[0], bits, "pack_gptq_qzeros: out_features")
+    if v1:
+        if (zu == 0).any():
+            raise ValueError("pack_gptq_qzeros: an unsigned zero point of 0 cannot be stored in GPTQ v1 "
+                             "(it stores z - 1); write checkpoint_format gptq_v2 (v1=False) instead")
+        zu = zu - 1
+    return pack_words(zu.t(), bits)
+
+
+def unpack_gptq_qzeros(packed: torch.Tensor, bits: int, v1: bool = True) -> torch.Tensor:
+    """Inverse of pack_gptq_qzeros: int32 [groups, out*bits/32] -> signed int8 z [out, groups]."""
+    n = packed.shape[1] * _per_word(bits)
+    zu = unpack_words(packed, bits, n) + (1 if v1 else 0)  # [groups, out]
+    return (zu - offset(bits)).t().contiguous().to(torch.int8)
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # slot i of an AWQ word holds element AWQ_ORDER[i] of its 8
+
+
+def pack_awq(q_unsigned: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """AWQ GEMM `qweight` / `qzeros`: unsigned values [rows, out] (rows = in for qweight, in/group for
+    qzeros; zeros raw, no -1) -> int32 [rows, out/8], packed along the output dim in AWQ_ORDER."""
+    if bits != 4:
+        raise ValueError(f"pack_awq: the AWQ GEMM layout is 4-bit only, got {bits}")
+    if q_unsigned.numel() and (q_unsigned.min() < 0 or q_unsigned.max() > 15):
+        raise ValueError("pack_awq: values must be unsigned 4-bit (0..15); shift signed q by +8 first")
+    _whole_words(q_unsigned.shape[1], bits, "pack_awq: out_features")
+    return pack_words(q_unsigned.to(torch.int64), bits, AWQ_ORDER)
+
+
+def unpack_awq(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Inverse of pack_awq: int32 [rows, out/8] -> unsigned int64 [rows, out]."""
+    if bits != 4:
+        raise ValueError(f"unpack_awq: the AWQ GEMM layout is 4-bit only, got {bits}")
+    return unpack_words(packed, bits, packed.shape[1] * 8, AWQ_ORDER)

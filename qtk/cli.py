@@ -1,0 +1,175 @@
+"""The `qtk` command line: parse, call qtk.api, render. No logic lives here."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from qtk import __version__
+from qtk.errors import QtkError
+
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def _size(text: str) -> int:
+    t = text.strip().upper()
+    for unit in sorted(SIZE_UNITS, key=len, reverse=True):
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * SIZE_UNITS[unit])
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise click.BadParameter(f"'{text}' is not a size", param_hint="--max-shard-size (e.g. 5GB, 500MB)") from None
+
+
+class QtkGroup(click.Group):
+    """Turns qtk's own errors into one line and their exit code; Ctrl-C into exit 130."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QtkError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted: no output was left behind", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=QtkGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="qtk")
+def main():
+    """Quantize LLMs into engine-ready checkpoints, prove accuracy, plan capacity.
+
+    \b
+      qtk convert model/ --recipe int8-kv8 -o out/ --target vllm
+      qtk inspect out/vllm
+      qtk recipes list
+    """
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@main.command()
+@click.argument("model", type=click.Path(file_okay=False, path_type=str))
+@click.option("--recipe", "-r", required=True, help="Built-in recipe name (see `qtk recipes list`) or a YAML file.")
+@click.option("--output", "-o", "out", required=True, type=click.Path(path_type=str), help="Output directory; each target goes to OUT/<target>/.")
+@click.option("--target", "-t", "targets", multiple=True, default=("vllm",), show_default=True,
+              help="Output format; repeat for several (vllm, ...).")
+@click.option("--calib", default=None, help="Calibration text: 'default', a .jsonl/.txt/.parquet file, a dataset directory, or a Hugging Face dataset id.")
+@click.option("--text-field", default=None, help="Text field/column of the calibration data [recipe: text].")
+@click.option("--num-samples", type=int, default=None, help="Calibration windows [recipe: 64].")
+@click.option("--seq-len", type=int, default=None, help="Tokens per calibration window [recipe: 256].")
+@click.option("--seed", type=int, default=None, help="Seed for calibration sampling [recipe: 0].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT/<target>/.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks (trtllm target).")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel ranks (trtllm target).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Calibration windows per forward pass.")
+@click.option("--allow-pickle", is_flag=True, help="Allow loading pickle (*.bin) weights. Only for sources you trust.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow custom model code from the model directory.")
+@click.option("--no-hash", is_flag=True, help="Skip hashing the source files for the manifest.")
+def convert(model, recipe, out, targets, calib, text_field, num_samples, seq_len, seed, overwrite, tp, pp,
+            max_shard_size, batch_size, allow_pickle, trust_remote_code, no_hash):
+    """Quantize MODEL (a local Hugging Face directory) with a recipe into engine-ready checkpoints."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from qtk import api
+
+    console = _console()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("loading", total=None)
+
+        def on_stage(s):
+            progress.update(task, description=s)
+
+        def on_layer(i, n):
+            progress.update(task, description="quantizing layers", completed=i, total=n)
+
+        res = api.convert(model, recipe, out, targets=targets, calib=calib, text_field=text_field, num_samples=num_samples,
+                          seq_len=seq_len, seed=seed, overwrite=overwrite, tp=tp, pp=pp,
+                          max_shard_bytes=_size(max_shard_size), batch_size=batch_size, allow_pickle=allow_pickle,
+                          trust_remote_code=trust_remote_code, hash_source=not no_hash, on_stage=on_stage, on_layer=on_layer)
+    for t, path in res.outputs.items():
+        click.echo(f"wrote {t}: {path}")
+        for n in res.notes.get(t, []):
+            click.echo(f"  note: {n}")
+    click.echo(f"recipe {res.manifest['recipe']['name']} ({res.manifest['recipe']['summary']}) in {res.timings['total']:.1f}s")
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--modules", "show_modules", is_flag=True, help="List every quantized module.")
+def inspect(checkpoint, as_json, show_modules):
+    """Summarise a written checkpoint and check it. Exit 1 when a check fails."""
+    import json
+
+    from qtk import api
+
+    rep = api.inspect(checkpoint)
+    if as_json:
+        click.echo(json.dumps({"path": str(rep.path), "summary": rep.summary, "ok": rep.ok,
+                               "checks": [c.__dict__ for c in rep.checks], "modules": rep.modules}, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        con = Console()
+        t = Table(title=f"{rep.path}", show_header=False)
+        for k, v in rep.summary.items():
+            t.add_row(k, f"{v / 1e6:.2f} MB" if k == "size_bytes" else str(v))
+        con.print(t)
+        if show_modules:
+            mt = Table("module", "quantized as")
+            for m, d in rep.modules.items():
+                mt.add_row(m, d)
+            con.print(mt)
+        for c in rep.checks:
+            con.print(f"[{'green' if c.ok else 'red'}]{'PASS' if c.ok else 'FAIL'}[/] {c.name}" + (f"  ({c.detail})" if c.detail else ""))
+    if not rep.ok:
+        sys.exit(1)
+
+
+@main.group()
+def recipes():
+    """List and show the built-in recipes."""
+
+
+@recipes.command("list")
+def recipes_list():
+    """One line per built-in recipe."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from qtk.recipe import builtin_recipes, load_recipe
+
+    t = Table("recipe", "scheme", "algorithm", "calibration")
+    for name in builtin_recipes():
+        r = load_recipe(name)
+        t.add_row(name, r.summary(), " → ".join(r.step_names), "yes" if r.needs_calibration else "no")
+    Console().print(t)
+
+
+@recipes.command("show")
+@click.argument("name")
+def recipes_show(name):
+    """Print a recipe's YAML (NAME is a built-in name or a file)."""
+    from qtk.recipe import load_recipe
+
+    r = load_recipe(name)
+    click.echo(r.text.rstrip())
+    click.echo(f"# {r.summary()}; algorithm: {' -> '.join(r.step_names)}; hash {r.hash}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Checkpoint: a written quantized checkpoint read back in Hugging Face names, format-independent.
+
+Readers subclass it. Tensors are read lazily from safetensors, so inspecting a large checkpoint does
+not load it whole.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from qtk.quant.qtensor import QTensor
+from qtk.recipe import QuantScheme
+
+
+class Checkpoint:
+    format: str = ""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._files: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+
+    # ---- to be provided by each reader ----
+    hf_config: dict  # config.json of the original model (without quantization_config)
+    weights_scheme: QuantScheme
+    activations: QuantScheme | None = None
+    kv_cache: str | None = None  # "fp8" | "int8" | None: what the engine stores in its KV cache
+
+    def modules(self) -> list[str]:
+        """Full HF names of the quantized Linear modules."""
+        raise NotImplementedError
+
+    def qtensor(self, module: str) -> QTensor:
+        raise NotImplementedError
+
+    def ignore_patterns(self) -> list[str]:
+        """Module names or 're:' patterns the checkpoint declares unquantized."""
+        return []
+
+    def input_scale(self, module: str) -> torch.Tensor | None:
+        return None
+
+    def kv_scales(self, layer: int) -> tuple[float, float] | None:
+        return None
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor that is not a quantized weight, in HF names (norms, embeddings, biases, lm_head)."""
+        raise NotImplementedError
+
+    # ---- shared ----
+    @property
+    def manifest(self) -> dict | None:
+        p = self.path / "qtk.json"
+        return json.loads(p.read_text()) if p.is_file() else None
+
+    def _index(self, prefix: str = "model") -> dict[str, Path]:
+        if not self._files:
+            idx = self.path / f"{prefix}.safetensors.index.json"
+            if idx.is_file():
+                wm = json.loads(idx.read_text())["weight_map"]
+                self._files = {k: self.path / v for k, v in wm.items()}
+            else:
+                from safetensors import safe_open
+
+                for p in sorted(self.path.glob("*.safetensors")):
+                    with safe_open(str(p), "pt") as f:
+                        self._files.update({k: p for k in f.keys()})
+        return self._files
+
+    def tensor_names(self) -> list[str]:
+        return list(self._index())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        p = self._index()[name]
+        h = self._handles.get(p)
+        if h is None:
+            h = self._handles[p] = safe_open(str(p), "pt")
+        return h.get_tensor(name)
+
+    def has(self, name: str) -> bool:
+        return name in self._index()
+
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in set(self._index().values()))

@@ -1,0 +1,118 @@
+"""A streaming, sharded safetensors writer: tensor bytes go to disk as they arrive, so a writer
+holds no more than one tensor in memory whatever the shard size.
+
+The header is written last into space reserved at the front of each shard; safetensors allows the
+JSON header to be padded with spaces, so the reserved space never needs an extra copy of the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+ST_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+HEADER_BYTES_PER_TENSOR = 192  # generous: name + dtype + shape + offsets in JSON
+DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes | memoryview:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().data if t.numel() else b""
+
+
+class _Shard:
+    def __init__(self, path: Path, reserve: int, metadata: dict):
+        self.path = path
+        self.reserve = reserve  # bytes for the 8-byte length + JSON header
+        self.entries: dict[str, dict] = {}
+        self.size = 0
+        self.metadata = metadata
+        self.header_len = len(json.dumps({"__metadata__": metadata}, separators=(",", ":")))
+        self.f = open(path, "wb")
+        self.f.seek(reserve)
+
+    @staticmethod
+    def _entry_len(name: str, entry: dict) -> int:
+        return len(json.dumps({name: entry}, separators=(",", ":"))) - 1  # minus braces, plus a comma
+
+    def header_size_with(self, name: str, t: torch.Tensor) -> int:
+        n = t.numel() * t.element_size()
+        entry = {"dtype": "F8_E4M3", "shape": list(t.shape), "data_offsets": [self.size, self.size + n]}
+        return self.header_len + self._entry_len(name, entry)
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if t.dtype not in ST_DTYPES:
+            raise TypeError(f"safetensors cannot store dtype {t.dtype} ({name})")
+        data = tensor_bytes(t)
+        n = t.numel() * t.element_size()
+        self.entries[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [self.size, self.size + n]}
+        self.header_len += self._entry_len(name, self.entries[name])
+        self.f.write(data)
+        self.size += n
+
+    def close(self) -> None:
+        header = json.dumps({"__metadata__": self.metadata, **self.entries}, separators=(",", ":")).encode()
+        room = self.reserve - 8
+        assert len(header) <= room, "header outgrew its reserved space"  # guarded by ShardedWriter
+        header += b" " * (room - len(header))
+        self.f.seek(0)
+        self.f.write(struct.pack("<Q", len(header)))
+        self.f.write(header)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+class ShardedWriter:
+    """Writes model-0000i-of-0000N.safetensors (or model.safetensors) + index into `directory`."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD, expected_tensors: int = 1024,
+                 metadata: dict | None = None, prefix: str = "model"):
+        self.dir = Path(directory)
+        self.max_shard = max_shard_bytes
+        self.prefix = prefix
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.reserve = 8 + max(4096, HEADER_BYTES_PER_TENSOR * expected_tensors)
+        self.reserve += (-self.reserve) % 8
+        self.shards: list[_Shard] = []
+        self.total_size = 0
+
+    def _new_shard(self) -> _Shard:
+        s = _Shard(self.dir / f".{self.prefix}-shard-{len(self.shards):05d}.tmp", self.reserve, self.metadata)
+        self.shards.append(s)
+        return s
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        cur = self.shards[-1] if self.shards else self._new_shard()
+        n = t.numel() * t.element_size()
+        too_big = cur.entries and cur.size + n > self.max_shard
+        if too_big or cur.header_size_with(name, t) > self.reserve - 8 - 64:
+            cur.close()
+            cur = self._new_shard()
+        cur.add(name, t)
+        self.total_size += n
+
+    def close(self) -> dict[str, str]:
+        """Finish every shard; returns the weight map (tensor name -> file name)."""
+        if not self.shards:
+            self._new_shard()
+        if not self.shards[-1].f.closed:
+            self.shards[-1].close()
+        n = len(self.shards)
+        weight_map = {}
+        for i, s in enumerate(self.shards):
+            fname = f"{self.prefix}.safetensors" if n == 1 else f"{self.prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(s.path, self.dir / fname)
+            weight_map.update({k: fname for k in s.entries})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.dir / f"{self.prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return weight_map

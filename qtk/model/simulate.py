@@ -1,0 +1,149 @@
+"""Simulation of what the engines run: Linears with dequantized weights and fake-quantized inputs,
+and an attention function that observes or quantizes K (after RoPE) and V per layer.
+
+The same modules propagate activations during conversion and run the candidate in `qtk eval`, so the
+model qtk calibrates against is the model it validates.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from qtk.quant.qparams import FP8_DTYPE, fake_quant_activation
+from qtk.recipe import FP8_MAX, QuantScheme
+
+ATTN_IMPL = "qtk"
+_registered = False
+
+
+class QLinear(torch.nn.Module):
+    """y = Q(x) @ dequant(W)^T + b, activations quantized as the engine does (per-token dynamic or static)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act: QuantScheme | None = None,
+                 input_scale: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.act = act
+        self.register_buffer("input_scale", input_scale, persistent=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is not None:
+            x = fake_quant_activation(x, self.act, self.input_scale)
+        return F.linear(x, self.weight, self.bias)
+
+
+def engine_weight(qt) -> torch.Tensor:
+    """The dequantized weight, (q - z) * s, computed in the dtype its scale is stored in: the model dtype
+    for int formats (as compressed-tensors and the dequantizing kernels do), float32 for fp8. float32 out."""
+    w = qt.dequantize()
+    return w if qt.scheme.is_fp8 else w.to(qt.dtype).float()
+
+
+def _qtk_attention(module, query, key, value, attention_mask, **kwargs):
+    hook = getattr(module, "_qtk_kv_hook", None)
+    if hook is not None:
+        key, value = hook(key, value)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_qtk_attention(model_or_config) -> None:
+    """Route attention through qtk's function (sdpa underneath, sdpa masks) so K/V hooks can run."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(ATTN_IMPL, _qtk_attention)
+        AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+        _registered = True
+    config = getattr(model_or_config, "config", model_or_config)
+    config._attn_implementation = ATTN_IMPL
+
+
+def set_kv_hook(attn_module: torch.nn.Module, hook: Callable | None) -> None:
+    """hook(key [B, kv_heads, T, D] after RoPE, value [B, kv_heads, T, D]) -> (key, value)."""
+    attn_module._qtk_kv_hook = hook
+
+
+class KVAmax:
+    """Running absolute maxima of K (after RoPE) and V for one attention module."""
+
+    def __init__(self):
+        self.k = 0.0
+        self.v = 0.0
+
+    def __call__(self, key, value):
+        self.k = max(self.k, float(key.detach().abs().amax()))
+        self.v = max(self.v, float(value.detach().abs().amax()))
+        return key, value
+
+
+def kv_fake_quant(kind: str, k_scale: float, v_scale: float) -> Callable:
+    """What the engine's cache stores and reads back: fp8(x / scale) * scale (vLLM FP8), or
+    round(x / scale) clamped to int8, times scale (TensorRT-LLM INT8)."""
+
+    def q(x, s):
+        xf = x.float() / s
+        if kind == "fp8":
+            y = xf.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+        elif kind == "int8":
+            y = torch.round(xf).clamp(-128, 127)
+        else:
+            raise ValueError(f"unknown KV cache kind {kind!r}")
+        return (y * s).to(x.dtype)
+
+    return lambda key, value: (q(key, k_scale), q(value, v_scale))
+
+
+def replace_module(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_kv: bool = True,
+                          dtype: torch.dtype = torch.float32):
+    """The model a checkpoint describes, as the engine runs it: dequantized weights read from disk,
+    activations and the KV cache fake-quantized with the checkpoint's own scales."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_dict = dict(ckpt.hf_config)
+    cfg_dict.pop("quantization_config", None)
+    model_type = cfg_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    sd = {k: v.to(dtype) for k, v in ckpt.dense_state_dict().items()}
+    modules = ckpt.modules()
+    for m in modules:
+        sd[f"{m}.weight"] = engine_weight(ckpt.qtensor(m)).to(dtype)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    base = model.get_submodule("model")
+    if hasattr(base, "rotary_emb"):  # non-persistent buffers are not in the checkpoint: rebuild them
+        base.rotary_emb = type(base.rotary_emb)(config=config)
+    act = ckpt.activations if simulate_activations else None
+    for m in modules:
+        lin = model.get_submodule(m)
+        scale = ckpt.input_scale(m) if act is not None and not act.dynamic else None
+        replace_module(model, m, QLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), act, scale))
+    use_qtk_attention(model)
+    if simulate_kv and ckpt.kv_cache:
+        for i, layer in enumerate(model.model.layers):
+            scales = ckpt.kv_scales(i)
+            if scales is not None:
+                set_kv_hook(layer.self_attn, kv_fake_quant(ckpt.kv_cache, *scales))
+    return model.eval()

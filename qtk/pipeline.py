@@ -1,0 +1,244 @@
+"""The sequential calibration loop (DESIGN.md §1): capture the inputs of layer 0, then per decoder layer:
+load it from disk, observe its inputs, quantize it, run the quantized layer to produce the next
+layer's inputs, hand a LayerResult to the writers, free it. Memory stays O(one layer)."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from qtk.errors import UsageError
+from qtk.model.simulate import KVAmax, QLinear, engine_weight, replace_module, set_kv_hook, use_qtk_attention
+from qtk.quant.qparams import quantize_weight, static_scale, weight_qparams
+from qtk.quant.qtensor import QTensor
+from qtk.recipe import Recipe
+
+
+@dataclass
+class LayerResult:
+    """Everything a writer needs for one decoder layer. Writers read it and never modify it."""
+
+    index: int
+    qweights: dict[str, QTensor]  # full module name -> QTensor
+    dense: dict[str, torch.Tensor]  # full tensor name -> tensor in the model dtype (norms, biases, ignored Linears)
+    input_amax: dict[str, float] = field(default_factory=dict)  # full module name -> calibrated |x| max
+    k_amax: float | None = None  # K after RoPE, this layer
+    v_amax: float | None = None
+    weight_error: dict[str, float] = field(default_factory=dict)  # full module name -> ||W - Q(W)|| / ||W||
+
+
+class _StopForward(Exception):
+    """Raised by the layer-0 catcher: the rest of the model need not (and cannot, on meta) run."""
+
+
+class _Catcher(torch.nn.Module):
+    def __init__(self, store: list, attention_type=None):
+        super().__init__()
+        self.store = store
+        if attention_type is not None:
+            self.attention_type = attention_type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        kwargs.pop("cache", None)
+        kwargs.pop("past_key_values", None)
+        kwargs["use_cache"] = False
+        self.store.append((hidden_states, kwargs))
+        raise _StopForward
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """compressed-tensors-style ignore: exact name, a dotted suffix, or 're:' regex (full match)."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.fullmatch(p[3:], name):
+                return True
+        elif name == p or name.endswith("." + p):
+            return True
+    return False
+
+
+def target_linears(source, recipe: Recipe, i: int) -> list[str]:
+    """The layer's Linears (relative names) that the recipe quantizes; an ignore that splits a fused
+    group (q/k/v, gate/up) is refused, since engines fuse those into one GEMM."""
+    arch = source.arch
+    prefix = source.layer_prefix(i)
+    kept = [r for r in arch.linears if not matches(prefix + r, recipe.ignore)]
+    for g in arch.fusion_groups:
+        inside = [m for m in g if m in kept]
+        if inside and len(inside) != len(g):
+            raise UsageError(f"ignore splits the fused group {', '.join(g)} in layer {i}",
+                             "ignore all of q/k/v (or gate/up) together, or none")
+    return kept
+
+
+def capture_layer0_inputs(source, skeleton, ids: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
+    """Run embeddings (+ rotary) and stop at layer 0: its inputs and kwargs for every batch."""
+    arch = source.arch
+    embed_meta = skeleton.get_submodule(arch.embed)
+    replace_module(skeleton, arch.embed, source.load_module(embed_meta, arch.embed + "."))
+    base = skeleton.get_submodule(arch.layers.rpartition(".")[0])
+    if hasattr(base, "rotary_emb"):
+        with torch.device("cpu"):
+            base.rotary_emb = type(base.rotary_emb)(config=skeleton.config)
+    layers = skeleton.get_submodule(arch.layers)
+    first = layers[0]
+    store: list = []
+    layers[0] = _Catcher(store, getattr(first, "attention_type", None))
+    try:
+        with torch.no_grad():
+            for batch in ids.split(batch_size):
+                try:
+                    skeleton(input_ids=batch, use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        layers[0] = first
+        replace_module(skeleton, arch.embed, embed_meta)
+    return store
+
+
+def _forward_all(layer, batches):
+    with torch.no_grad():
+        return [(layer(h, **kw), kw) for h, kw in batches]
+
+
+def _observe_inputs(layer, names: list[str], batches) -> dict[str, float]:
+    """Per-tensor |x| max at each Linear input, over all calibration tokens."""
+    amax: dict[str, float] = {n: 0.0 for n in names}
+    hooks = []
+    for n in names:
+        def hook(mod, args, n=n):
+            amax[n] = max(amax[n], float(args[0].detach().abs().amax()))
+
+        hooks.append(layer.get_submodule(n).register_forward_pre_hook(hook))
+    try:
+        _forward_all(layer, batches)
+    finally:
+        for h in hooks:
+            h.remove()
+    return amax
+
+
+def quantize_weights_rtn(weights: dict[str, torch.Tensor], recipe: Recipe, arch, dtype) -> dict[str, QTensor]:
+    """Round-to-nearest; per-tensor scales are shared inside fusion groups (the engines fuse q/k/v, gate/up)."""
+    scheme = recipe.weights
+    out: dict[str, QTensor] = {}
+    if scheme.strategy == "tensor":
+        for g in arch.fusion_groups:
+            members = [m for m in g if m in weights]
+            if len(members) > 1:
+                joint = torch.cat([weights[m].float() for m in members], dim=0)
+                scale, zero = weight_qparams(joint, scheme, None if scheme.is_fp8 else dtype)
+                for m in members:
+                    out[m] = QTensor(quantize_weight(weights[m], scale, zero, scheme), scale, scheme, zero, None, dtype)
+    for name, w in weights.items():
+        if name not in out:
+            out[name] = QTensor.quantize(w, scheme, dtype)
+    return out
+
+
+def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batches, targets: list[str]):
+    """Quantize one materialised layer; returns its LayerResult and the next layer's inputs."""
+    arch, dtype = source.arch, source.dtype
+    prefix = source.layer_prefix(i)
+    act = recipe.activations
+    for t in targets:
+        if t not in dict(layer.named_modules()):
+            raise UsageError(f"layer {i} has no module {t}", f"this checkpoint does not match the {arch.name} architecture table")
+        w = layer.get_submodule(t).weight
+        if recipe.weights.strategy == "group" and w.shape[1] % recipe.weights.group_size:
+            raise UsageError(f"group_size {recipe.weights.group_size} does not divide in_features {w.shape[1]} of {prefix + t}",
+                             "choose a group_size that divides every Linear's input size (e.g. 32, 64 or 128)")
+
+    amax = _observe_inputs(layer, targets, batches) if (batches and recipe.static_activations) else {}
+    weights = {t: layer.get_submodule(t).weight.detach() for t in targets}
+    qweights = quantize_weights_rtn(weights, recipe, arch, dtype)
+
+    # swap in the simulated quantized Linears: the next layer sees what the engine will compute
+    for t, qt in qweights.items():
+        lin = layer.get_submodule(t)
+        in_scale = static_scale(amax[t], act) if (act is not None and not act.dynamic) else None
+        replace_module(layer, t, QLinear(engine_weight(qt), None if lin.bias is None else lin.bias.detach(), act, in_scale))
+
+    kv = None
+    next_batches = None
+    if batches:
+        if recipe.kv_cache is not None:
+            kv = KVAmax()
+            set_kv_hook(layer.get_submodule(arch.attn), kv)
+        next_batches = _forward_all(layer, batches)
+        if kv is not None:
+            set_kv_hook(layer.get_submodule(arch.attn), None)
+
+    quantized = {t + ".weight" for t in targets}
+    dense = {prefix + k: v.detach().to(dtype) for k, v in layer.state_dict().items() if k not in quantized}
+    errors = {}
+    for t, qt in qweights.items():
+        w = weights[t].float()
+        errors[prefix + t] = float((qt.dequantize() - w).norm() / w.norm().clamp_min(1e-12))
+    result = LayerResult(
+        index=i,
+        qweights={prefix + t: q for t, q in qweights.items()},
+        dense=dense,
+        input_amax={prefix + t: a for t, a in amax.items()},
+        k_amax=None if kv is None else kv.k,
+        v_amax=None if kv is None else kv.v,
+        weight_error=errors,
+    )
+    return result, next_batches
+
+
+@dataclass
+class PipelineStats:
+    """Small per-layer records kept for the manifest (reports, plots), not the tensors."""
+
+    timings: dict[str, float] = field(default_factory=dict)
+    layers: int = 0
+    weight_error: dict[str, float] = field(default_factory=dict)
+    input_amax: dict[str, float] = field(default_factory=dict)
+    kv_amax: dict[int, list[float]] = field(default_factory=dict)
+
+    def record(self, r: LayerResult) -> None:
+        self.layers += 1
+        self.weight_error.update(r.weight_error)
+        self.input_amax.update(r.input_amax)
+        if r.k_amax is not None:
+            self.kv_amax[r.index] = [r.k_amax, r.v_amax]
+
+
+def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, batch_size: int = 8,
+        on_layer: Callable[[int, int], None] | None = None) -> PipelineStats:
+    """Stream the model through the recipe into every sink (writer): dense tensors, then layer by layer."""
+    stats = PipelineStats()
+    t0 = time.perf_counter()
+    skeleton = source.skeleton()
+    if calib_ids is not None:
+        use_qtk_attention(skeleton)
+    for name in source.non_layer_tensor_names():
+        t = source.tensor(name)
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
+        for s in sinks:
+            s.add_dense(name, t.to(source.dtype) if t.is_floating_point() else t)
+    batches = capture_layer0_inputs(source, skeleton, calib_ids, batch_size) if calib_ids is not None else None
+    stats.timings["capture"] = time.perf_counter() - t0
+
+    n = source.num_layers
+    t_layers = time.perf_counter()
+    for i in range(n):
+        targets = target_linears(source, recipe, i)
+        layer = source.layer(skeleton, i)
+        result, batches = process_layer(source, recipe, i, layer, batches, targets)
+        del layer
+        for s in sinks:
+            s.add_layer(result)
+        stats.record(result)
+        del result
+        if on_layer:
+            on_layer(i + 1, n)
+    stats.timings["layers"] = time.perf_counter() - t_layers
+    return stats

@@ -1,0 +1,128 @@
+"""GPU table for planning: memory, bandwidth, peak tensor throughput, FP8 support, typical price.
+
+Data, not logic. Memory is the total the driver reports (nvidia-smi / rocm-smi `memory.total`),
+because that is what vLLM multiplies by --gpu-memory-utilization. Throughput figures are dense
+(no sparsity) datasheet peaks; prices are typical on-demand cloud rates and vary a lot: override
+them with --price.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from qtk.errors import UsageError
+
+MIB = 1024**2
+GB = 10**9  # every size qtk plan prints is decimal GB
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator model, as the planner needs it."""
+
+    name: str
+    label: str
+    mem_bytes: int
+    bandwidth: float  # bytes/s
+    bf16_tflops: float  # dense; fp16 on GPUs without bf16 (T4)
+    int8_tops: float | None
+    fp8_tflops: float | None  # None: no FP8 tensor cores
+    price_per_hour: float  # USD, typical on-demand
+    interconnect: str  # nvlink | pcie | xgmi: sets the default tensor-parallel efficiency
+    generation: str
+    bf16: bool = True
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_tflops is not None
+
+    def peak_flops(self, activation_type: str | None) -> float:
+        """Dense peak for the GEMM input type: 'float' (fp8), 'int' (int8) or None (bf16/fp16)."""
+        if activation_type == "float" and self.fp8_tflops:
+            return self.fp8_tflops * 1e12
+        if activation_type == "int" and self.int8_tops:
+            return self.int8_tops * 1e12
+        return self.bf16_tflops * 1e12
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name, "label": self.label, "mem_bytes": self.mem_bytes,
+            "bandwidth_bytes_per_s": self.bandwidth, "bf16_tflops": self.bf16_tflops,
+            "int8_tops": self.int8_tops, "fp8_tflops": self.fp8_tflops, "fp8": self.fp8,
+            "price_per_hour": self.price_per_hour, "interconnect": self.interconnect,
+            "generation": self.generation,
+        }
+
+
+def _gpu(name, label, mem_mib, tb_s, bf16, int8, fp8, price, link, gen, **kw) -> GPU:
+    return GPU(name, label, mem_mib * MIB, tb_s * 1e12, bf16, int8, fp8, price, link, gen, **kw)
+
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    _gpu("a100-40g", "A100 40GB SXM", 40960, 1.555, 312, 624, None, 1.29, "nvlink", "Ampere"),
+    _gpu("a100-80g", "A100 80GB SXM", 81920, 2.039, 312, 624, None, 1.79, "nvlink", "Ampere"),
+    _gpu("h100-sxm", "H100 80GB SXM", 81559, 3.35, 989, 1979, 1979, 2.49, "nvlink", "Hopper"),
+    _gpu("h100-pcie", "H100 80GB PCIe", 81559, 2.0, 756, 1513, 1513, 2.19, "pcie", "Hopper"),
+    _gpu("h200", "H200 141GB SXM", 143771, 4.8, 989, 1979, 1979, 3.49, "nvlink", "Hopper"),
+    _gpu("b200", "B200 180GB", 183359, 8.0, 2250, 4500, 4500, 5.99, "nvlink", "Blackwell"),
+    _gpu("l4", "L4 24GB", 23034, 0.3, 121, 242, 242, 0.80, "pcie", "Ada"),
+    # Turing: no bf16 and no FP8; engines serve it in fp16 (same bytes, so sizes are unchanged)
+    _gpu("t4", "T4 16GB", 15360, 0.32, 65, 130, None, 0.35, "pcie", "Turing", bf16=False),
+    _gpu("rtx-4090", "RTX 4090 24GB", 24564, 1.008, 165, 661, 330, 0.40, "pcie", "Ada"),
+    _gpu("rtx-5090", "RTX 5090 32GB", 32607, 1.792, 209, 838, 419, 0.70, "pcie", "Blackwell"),
+    _gpu("mi300x", "MI300X 192GB", 196608, 5.3, 1307, 2615, 2615, 2.50, "xgmi", "CDNA3"),
+)}
+
+ALIASES = {
+    "a100": "a100-80g", "a100-40gb": "a100-40g", "a100-80gb": "a100-80g",
+    "h100": "h100-sxm", "h100-80g": "h100-sxm", "h100-80gb": "h100-sxm", "h100-sxm5": "h100-sxm",
+    "h200-141g": "h200", "b200-180g": "b200", "4090": "rtx-4090", "rtx4090": "rtx-4090",
+    "5090": "rtx-5090", "rtx5090": "rtx-5090", "l4-24g": "l4", "t4-16g": "t4",
+}
+
+# Fraction of linear scaling kept per doubling of GPUs under tensor parallelism (all-reduce cost):
+# NVLink/xGMI keep most of it, PCIe loses more.
+TP_EFFICIENCY_PER_DOUBLING = {"nvlink": 0.9, "xgmi": 0.9, "pcie": 0.75}
+
+
+def gpu_names() -> list[str]:
+    return list(GPUS)
+
+
+def get_gpu(name: str | None, *, mem_gb: float | None = None, bandwidth_tb_s: float | None = None,
+            price: float | None = None) -> GPU:
+    """Look up a GPU by name (or alias) and apply the user's overrides; no name needs --gpu-mem."""
+    if name is None:
+        if mem_gb is None:
+            raise UsageError("no GPU given", f"pass --gpu NAME ({', '.join(GPUS)}) or --gpu-mem GB")
+        # a custom accelerator: only memory is known; bandwidth/compute default to an H100 PCIe's
+        base = replace(GPUS["h100-pcie"], name="custom", label="custom GPU", fp8_tflops=None)
+    else:
+        key = name.strip().lower().replace("_", "-").replace(" ", "-")
+        key = ALIASES.get(key, key)
+        if key not in GPUS:
+            raise UsageError(f"unknown GPU '{name}'", f"use one of {', '.join(GPUS)}, or --gpu-mem/--gpu-bw/--price")
+        base = GPUS[key]
+    if mem_gb is not None:
+        if mem_gb <= 0:
+            raise UsageError(f"--gpu-mem must be positive, got {mem_gb}", "give the GPU memory in GB, e.g. --gpu-mem 80")
+        base = replace(base, mem_bytes=int(mem_gb * GB))
+    if bandwidth_tb_s is not None:
+        if bandwidth_tb_s <= 0:
+            raise UsageError(f"--gpu-bw must be positive, got {bandwidth_tb_s}", "give the bandwidth in TB/s, e.g. --gpu-bw 3.35")
+        base = replace(base, bandwidth=bandwidth_tb_s * 1e12)
+    if price is not None:
+        if price < 0:
+            raise UsageError(f"--price must be >= 0, got {price}", "give the hourly price per GPU in USD, e.g. --price 2.5")
+        base = replace(base, price_per_hour=price)
+    return base
+
+
+def tp_efficiency(gpu: GPU, tp: int, per_doubling: float | None = None) -> float:
+    """Parallel efficiency of tensor parallelism over tp GPUs: per_doubling ** log2(tp)."""
+    import math
+
+    if tp <= 1:
+        return 1.0
+    f = per_doubling if per_doubling is not None else TP_EFFICIENCY_PER_DOUBLING.get(gpu.interconnect, 0.75)
+    return f ** math.log2(tp)

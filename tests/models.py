@@ -1,0 +1,63 @@
+"""Tiny random models built inside the tests (no hub access): a char-level tokenizer and a config."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+
+CHARS = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+
+
+def save_char_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(path))
+
+
+VOCAB = len(CHARS) + 3
+
+
+def make_tiny_model(path: Path, *, model_type: str = "llama", layers: int = 2, hidden: int = 64, intermediate: int = 128,
+                    heads: int = 4, kv_heads: int = 2, dtype=torch.bfloat16, seed: int = 0, tie: bool = False,
+                    tokenizer: bool = True, shard_bytes: int | None = None, **extra) -> Path:
+    """A randomly initialised causal LM saved as a HF directory (safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                               max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+                               **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger, more varied weights than the default init, so quantization error is visible
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif "norm" in n:
+                p.uniform_(0.6, 1.4)
+    model = model.to(dtype)
+    kw = {"max_shard_size": shard_bytes} if shard_bytes else {}
+    model.save_pretrained(str(path), **kw)
+    if tokenizer:
+        save_char_tokenizer(path)
+    return path
+
+
+def write_calib(path: Path, n: int = 40, seed: int = 0) -> Path:
+    import random
+
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "12+7=19", "reverse", "sort", "key", "value", "the", "model"]
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(60))}) + "\n")
+    return path
