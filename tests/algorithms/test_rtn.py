@@ -1,0 +1,22 @@
+"""RTN kernel: the QTensor convention itself, with the model dtype defaulting to the weight's."""
+
+import torch
+
+from qtk.algorithms.rtn import rtn_quantize
+from qtk.recipe import QuantScheme
+
+
+def test_rtn_rounds_to_nearest_with_dtype_rounded_scales():
+    W = torch.tensor([[0.7, -0.35, 0.1, 0.0], [1.0, 0.5, -0.25, 0.3]])
+    qt = rtn_quantize(W, QuantScheme(4, strategy="channel"), torch.bfloat16)
+    torch.testing.assert_close(qt.scale, torch.tensor([[0.1], [1 / 7]]).to(torch.bfloat16).float(), rtol=0, atol=0)
+    # bf16(0.1) = 0.10009765625, so -0.35 rounds to -3 (not -4); 1.0/bf16(1/7) = 7.01 clamps to 7
+    assert qt.values.tolist() == [[7, -3, 1, 0], [7, 4, -2, 2]] and qt.dtype == torch.bfloat16
+    assert qt.zero_point is None and qt.g_idx is None
+
+
+def test_rtn_default_dtype_is_the_weights():
+    W = torch.randn(4, 64, dtype=torch.float16)
+    qt = rtn_quantize(W, QuantScheme(4, strategy="group", group_size=32, symmetric=False))
+    assert qt.dtype == torch.float16 and qt.scale.shape == (4, 2)
+    assert (qt.dequantize() - W.float()).abs().max() <= qt.scale.max() * 0.5 + 1e-6
