@@ -16,6 +16,8 @@ from qtk.algorithms.smooth import scale_linear_columns
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import QuantScheme
 
+CLIP_BATCH_ELEMENTS = 1 << 24  # bounds the [rows, tokens, n_groups] partial outputs of the clip search
+
 
 def _fake_quant(W: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> torch.Tensor:
     """RTN quantize-dequantize with qtk's conventions, float32 [out, in]."""
@@ -78,7 +80,7 @@ def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], scheme: Quan
         return (((xs / s) @ Q.t()) - ref).pow(2).mean().item()
 
     ones = torch.ones(in_f, device=x.device)
-    best_s, best_loss, best_ratio = ones, loss(ones), None
+    best_s, best_loss, best_ratio = ones, float('inf'), None; loss(ones)
     info = {"loss_identity": best_loss, "losses": []}
     for i in range(params.grid):
         r = i / params.grid
@@ -115,7 +117,7 @@ def awq_search_clip(x: torch.Tensor, W: torch.Tensor, scheme: QuantScheme, param
     xg = _tokens(x.reshape(-1, in_f).float(), params.n_sample_tokens).reshape(-1, n_groups, g)  # [n, n_groups, g]
     n_tok = xg.shape[0]
     steps = int(params.max_shrink * params.clip_grid)
-    chunk = max(1, min(out_f, (1 << 24) // max(1, n_tok * n_groups)))  # bounds the [co, n, n_groups] outputs
+    chunk = max(1, min(out_f, CLIP_BATCH_ELEMENTS // max(1, n_tok * n_groups)))  # rows per batch
 
     max_val = torch.empty(out_f, n_groups, device=W.device)
     for o1 in range(0, out_f, chunk):

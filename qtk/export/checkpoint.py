@@ -63,24 +63,23 @@ class Checkpoint:
                 wm = json.loads(idx.read_text())["weight_map"]
                 self._files = {k: self.path / v for k, v in wm.items()}
             else:
-                from safetensors import safe_open
-
-                for p in sorted(self.path.glob("*.safetensors")):
-                    with safe_open(str(p), "pt") as f:
-                        self._files.update({k: p for k in f.keys()})
+                for p in sorted(self.path.glob(f"{prefix}*.safetensors")) or sorted(self.path.glob("*.safetensors")):
+                    self._files.update({k: p for k in self._open(p).keys()})
         return self._files
+
+    def _open(self, p: Path):
+        from qtk.export.safetensors_io import SafetensorsFile
+
+        h = self._handles.get(p)
+        if h is None:
+            h = self._handles[p] = SafetensorsFile(p)
+        return h
 
     def tensor_names(self) -> list[str]:
         return list(self._index())
 
     def tensor(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        p = self._index()[name]
-        h = self._handles.get(p)
-        if h is None:
-            h = self._handles[p] = safe_open(str(p), "pt")
-        return h.get_tensor(name)
+        return self._open(self._index()[name]).get_tensor(name)
 
     def has(self, name: str) -> bool:
         return name in self._index()

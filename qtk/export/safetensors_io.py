@@ -116,3 +116,75 @@ class ShardedWriter:
             index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
             (self.dir / f"{self.prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return weight_map
+
+
+ST_TO_TORCH = {v: k for k, v in ST_DTYPES.items()}
+
+
+class SafetensorsFile:
+    """Reads tensors from a .safetensors file with positioned reads instead of mmap, so memory held by
+    a layer is released when the layer is dropped (mmap'd pages would stay resident and grow with the model)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError("file shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 * 2**20):
+                raise ValueError(f"header length {n} exceeds the file size")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ValueError("header is not valid JSON") from None
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.entries = header
+        self.data_start = 8 + n
+        for name, e in header.items():
+            try:
+                start, end = e["data_offsets"]
+                dtype = ST_TO_TORCH[e["dtype"]]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"bad header entry for {name}") from None
+            if self.data_start + end > size:
+                raise ValueError(f"tensor {name} extends past the end of the file (truncated download?)")
+            if end - start != _numel(e["shape"]) * torch.tensor([], dtype=dtype).element_size():
+                raise ValueError(f"tensor {name}: byte range does not match its shape and dtype")
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.entries[name]["shape"])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        e = self.entries[name]
+        start, end = e["data_offsets"]
+        buf = bytearray(end - start)
+        view, off = memoryview(buf), 0
+        while off < len(buf):
+            got = os.preadv(self._fd, [view[off:]], self.data_start + start + off)
+            if got <= 0:
+                raise ValueError(f"short read for {name}")
+            off += got
+        dtype = ST_TO_TORCH[e["dtype"]]
+        if not buf:
+            return torch.empty(e["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(e["shape"])
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

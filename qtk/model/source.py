@@ -90,11 +90,11 @@ class ModelSource:
     def _open(self, p: Path):
         h = self._handles.get(p)
         if h is None:
-            from safetensors import safe_open
+            from qtk.export.safetensors_io import SafetensorsFile
 
             try:
-                h = safe_open(str(p), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for bad headers
+                h = SafetensorsFile(p)
+            except (ValueError, OSError) as e:
                 raise UsageError(f"{p.name} is not a readable safetensors file ({e})", "re-download that shard") from None
             self._handles[p] = h
         return h

@@ -1,0 +1,667 @@
+"""Memory from config.json alone: the checkpoint's tensors and bytes for a recipe, the KV cache, the
+serving budget on a GPU, and what `qtk convert` itself needs. Light on purpose: no torch import.
+
+Sizes are exact byte counts of the compressed-tensors layout qtk writes (FORMATS.md §1), derived
+from the Linear shapes the config implies; tests check them against meta-device models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from qtk.errors import UsageError
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "int32": 4, "int64": 8}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+# vLLM V1's default chunked-prefill budget: the activation peak is profiled with this many tokens
+DEFAULT_BATCHED_TOKENS = 8192
+# CUDA context, cuBLAS/NCCL workspaces and CUDA graphs, outside the weights / KV / activations
+DEFAULT_OVERHEAD_BYTES = int(1.5e9)
+DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json as a dict, from a model directory or the file itself."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise UsageError(f"no config.json at {p}", "give a model directory or the path to its config.json")
+    try:
+        cfg = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{f} is not valid JSON (line {e.lineno})", "fix the file or re-download the model") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{f} holds a {type(cfg).__name__}, not a JSON object", "give a Hugging Face config.json")
+    return cfg
+
+
+def normalize_dtype(name: str | None, default: str = "bfloat16") -> str:
+    if name is None:
+        return default
+    d = DTYPE_ALIASES.get(str(name).lower(), str(name).lower()).replace("torch.", "")
+    if d not in ("bfloat16", "float16", "float32"):
+        raise UsageError(f"unsupported model dtype '{name}'", "use bfloat16, float16 or float32 (--dtype)")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Architecture traits: what config.json does not say explicitly, keyed by model_type (data, not code)
+
+
+@dataclass(frozen=True)
+class Traits:
+    qkv_bias: bool | None = None  # None: the config's attention_bias decides (and covers o_proj)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # extra pre/post feed-forward norms (Gemma 2/3)
+    tie_default: bool = False  # tie_word_embeddings when config.json omits it (the HF class default)
+    sliding: str = "layer_types"  # how sliding-window layers are chosen when layer_types is absent
+    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias next to the router
+
+
+TRAITS: dict[str, Traits] = {
+    "llama": Traits(),
+    "mistral": Traits(sliding="all"),
+    "mixtral": Traits(sliding="all"),
+    "qwen2": Traits(qkv_bias=True, sliding="qwen"),
+    "qwen2_moe": Traits(qkv_bias=True, sliding="qwen"),
+    "qwen2_vl": Traits(qkv_bias=True),
+    "qwen2_vl_text": Traits(qkv_bias=True),
+    "qwen2_5_vl": Traits(qkv_bias=True),
+    "qwen2_5_vl_text": Traits(qkv_bias=True),
+    "qwen3": Traits(qk_norm=True, sliding="qwen"),
+    "qwen3_moe": Traits(qk_norm=True, sliding="qwen"),
+    "gemma": Traits(tie_default=True),
+    "gemma2": Traits(sandwich_norms=True, tie_default=True, sliding="alternate"),
+    "gemma3_text": Traits(qk_norm=True, sandwich_norms=True, tie_default=True, sliding="pattern"),
+    "deepseek_v2": Traits(),
+    "deepseek_v3": Traits(router_bias=True),
+    "kimi_k2": Traits(router_bias=True),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer that decide its memory, read from config.json."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    dtype: str
+    max_position: int | None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    windows: tuple[int | None, ...] = ()  # per layer: sliding window in tokens, None = full attention
+    # mixture of experts
+    experts: int = 0
+    expert_intermediate: int = 0
+    top_k: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    shared_intermediate: int = 0
+    shared_style: str = ""  # "qwen" (shared_expert + sigmoid gate) | "deepseek" (shared_experts)
+    router_bias: bool = False
+    # multi-head latent attention (DeepSeek V2/V3): the cache holds one latent per token per layer
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    prefix: str = "model"
+    vision_params: int = 0  # estimated from vision_config; kept at source precision
+    notes: tuple[str, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @classmethod
+    def from_config(cls, cfg: Mapping) -> "ModelShape":
+        """Parse a HF config.json dict (text_config of a multimodal config is used when present)."""
+        notes: list[str] = []
+        text = dict(cfg)
+        prefix = "model"
+        vision = 0
+        if isinstance(cfg.get("text_config"), Mapping):
+            # multimodal: the language model's numbers live in text_config; top-level keys fill gaps
+            text = {**{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}, **cfg["text_config"]}
+            prefix = "model.language_model"
+        if isinstance(cfg.get("vision_config"), Mapping):
+            vision = estimate_vision_params(cfg["vision_config"], int(text.get("hidden_size") or 0))
+            prefix = "model.language_model"
+            notes.append(f"vision tower estimated at {vision / 1e9:.2f}B parameters, kept at source precision")
+
+        def need(*keys):
+            for k in keys:
+                v = text.get(k)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+            raise UsageError(f"config.json has no positive integer '{keys[0]}'",
+                             "give the config.json of a decoder-only transformers model")
+
+        model_type = str(text.get("model_type") or cfg.get("model_type") or "unknown")
+        traits = TRAITS.get(model_type)
+        if traits is None:
+            traits = Traits()
+            notes.append(f"model_type '{model_type}' is not in qtk's table: counted as a Llama-style decoder")
+        hidden = need("hidden_size", "n_embd", "d_model")
+        layers = need("num_hidden_layers", "n_layer", "num_layers")
+        heads = need("num_attention_heads", "n_head")
+        kv_heads = text.get("num_key_value_heads") or heads
+        head_dim = text.get("head_dim") or hidden // heads
+        vocab = need("vocab_size")
+        intermediate = text.get("intermediate_size") or 4 * hidden
+        tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings"))
+        tied = traits.tie_default if tie is None else bool(tie)
+        dtype = normalize_dtype(text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype"))
+        attention_bias = bool(text.get("attention_bias", False))
+        qkv_bias = traits.qkv_bias if traits.qkv_bias is not None else attention_bias
+        o_bias = attention_bias if traits.qkv_bias is None else False
+
+        experts = int(text.get("num_local_experts") or text.get("num_experts") or text.get("n_routed_experts") or 0)
+        moe_layers: tuple[bool, ...] = ()
+        expert_inter = shared_inter = top_k = 0
+        shared_style = ""
+        if experts:
+            expert_inter = int(text.get("moe_intermediate_size") or intermediate)
+            top_k = int(text.get("num_experts_per_tok") or 2)
+            if "first_k_dense_replace" in text or "n_routed_experts" in text:
+                first = int(text.get("first_k_dense_replace") or 0)
+                freq = int(text.get("moe_layer_freq") or 1)
+                moe_layers = tuple(i >= first and i % freq == 0 for i in range(layers))
+                shared_inter = int(text.get("n_shared_experts") or 0) * expert_inter
+                shared_style = "deepseek"
+            else:
+                step = int(text.get("decoder_sparse_step") or 1)
+                only_mlp = set(text.get("mlp_only_layers") or [])
+                moe_layers = tuple(i not in only_mlp and (i + 1) % step == 0 for i in range(layers))
+                shared_inter = int(text.get("shared_expert_intermediate_size") or 0)
+                shared_style = "qwen" if shared_inter else ""
+
+        kv_lora = int(text.get("kv_lora_rank") or 0)
+        return cls(
+            model_type=model_type, hidden=hidden, intermediate=int(intermediate), layers=layers, heads=heads,
+            kv_heads=int(kv_heads), head_dim=int(head_dim), vocab=vocab, tied=tied, dtype=dtype,
+            max_position=text.get("max_position_embeddings"), qkv_bias=qkv_bias, o_bias=o_bias,
+            mlp_bias=bool(text.get("mlp_bias", False)), qk_norm=traits.qk_norm, sandwich_norms=traits.sandwich_norms,
+            windows=_layer_windows(text, layers, traits), experts=experts, expert_intermediate=expert_inter,
+            top_k=top_k, moe_layers=moe_layers, shared_intermediate=shared_inter, shared_style=shared_style,
+            router_bias=traits.router_bias and experts > 0, kv_lora_rank=kv_lora,
+            q_lora_rank=int(text.get("q_lora_rank") or 0) if kv_lora else 0,
+            qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if kv_lora else 0,
+            qk_nope_head_dim=int(text.get("qk_nope_head_dim") or 0) if kv_lora else 0,
+            v_head_dim=int(text.get("v_head_dim") or 0) if kv_lora else 0,
+            prefix=prefix, vision_params=vision, notes=tuple(notes),
+        )
+
+
+def _layer_windows(text: Mapping, layers: int, traits: Traits) -> tuple[int | None, ...]:
+    """Per-layer sliding window (None = full attention), as transformers builds layer_types."""
+    window = text.get("sliding_window")
+    types = text.get("layer_types")
+    if not window:
+        return (None,) * layers
+    if isinstance(types, list) and len(types) == layers:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if traits.sliding == "all":
+        return (window,) * layers
+    if traits.sliding == "alternate":  # Gemma 2: even layers slide
+        return tuple(window if i % 2 == 0 else None for i in range(layers))
+    if traits.sliding == "pattern":  # Gemma 3: every Nth layer is global
+        n = int(text.get("sliding_window_pattern") or 6)
+        return tuple(None if (i + 1) % n == 0 else window for i in range(layers))
+    if traits.sliding == "qwen" and text.get("use_sliding_window"):
+        first = int(text.get("max_window_layers") or 0)
+        return tuple(window if i >= first else None for i in range(layers))
+    return (None,) * layers
+
+
+def estimate_vision_params(v: Mapping, text_hidden: int) -> int:
+    """A ViT tower from its config: blocks (attention 4h², gated or plain MLP) + patch embedding +
+    projector into the language model. An estimate: vision towers vary more than decoders."""
+    h = int(v.get("hidden_size") or v.get("embed_dim") or 0)
+    depth = int(v.get("depth") or v.get("num_hidden_layers") or 0)
+    if not h or not depth:
+        return 0
+    inter = int(v.get("intermediate_size") or h * float(v.get("mlp_ratio") or 4))
+    gated = str(v.get("hidden_act", "")).lower() in ("silu", "swiglu")
+    block = 4 * h * h + 4 * h + (3 if gated else 2) * h * inter + (2 if gated else 1) * inter + h + 2 * h
+    patch = int(v.get("patch_size") or 14)
+    patch_embed = h * int(v.get("in_channels") or v.get("num_channels") or 3) * patch * patch * int(v.get("temporal_patch_size") or 1)
+    merge = int(v.get("spatial_merge_size") or 1)
+    out = int(v.get("out_hidden_size") or text_hidden or h)
+    m = h * merge * merge
+    projector = h + m * m + m + m * out + out  # norm, Linear(m, m), Linear(m, out)
+    return depth * block + patch_embed + projector
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors of the source model
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One source tensor (or `count` identical ones, e.g. the experts of a layer).
+
+    Linears are named by module and shaped [out, in]; other tensors by their full parameter name.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    role: str  # linear | embedding | norm | bias | router | vision
+    count: int = 1
+    layer: int | None = None
+    input_group: str = ""  # Linears reading the same input share one GPTQ Hessian
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) * self.count
+
+
+def model_tensors(s: ModelShape) -> list[TensorSpec]:
+    """Every tensor the source checkpoint stores, by role, in transformers' naming."""
+    p = s.prefix
+    t: list[TensorSpec] = [TensorSpec(f"{p}.embed_tokens.weight", (s.vocab, s.hidden), "embedding")]
+
+    def linear(name, out, inn, i, group, bias=False, count=1):
+        t.append(TensorSpec(name, (out, inn), "linear", count, i, group))
+        if bias:
+            t.append(TensorSpec(f"{name}.bias", (out,), "bias", count, i))
+
+    def norm(name, n, i):
+        t.append(TensorSpec(f"{name}.weight", (n,), "norm", 1, i))
+
+    def mlp(pre, inter, i, count=1, tag="mlp"):
+        linear(f"{pre}.gate_proj", inter, s.hidden, i, f"{tag}_in", s.mlp_bias, count)
+        linear(f"{pre}.up_proj", inter, s.hidden, i, f"{tag}_in", s.mlp_bias, count)
+        linear(f"{pre}.down_proj", s.hidden, inter, i, f"{tag}_down", s.mlp_bias, count)
+
+    for i in range(s.layers):
+        L = f"{p}.layers.{i}"
+        a = f"{L}.self_attn"
+        if s.is_mla:
+            qk = s.qk_head_dim
+            if s.q_lora_rank:
+                linear(f"{a}.q_a_proj", s.q_lora_rank, s.hidden, i, "attn_in")
+                norm(f"{a}.q_a_layernorm", s.q_lora_rank, i)
+                linear(f"{a}.q_b_proj", s.heads * qk, s.q_lora_rank, i, "q_b")
+            else:
+                linear(f"{a}.q_proj", s.heads * qk, s.hidden, i, "attn_in")
+            linear(f"{a}.kv_a_proj_with_mqa", s.kv_lora_rank + s.qk_rope_head_dim, s.hidden, i, "attn_in")
+            norm(f"{a}.kv_a_layernorm", s.kv_lora_rank, i)
+            linear(f"{a}.kv_b_proj", s.heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, i, "kv_b")
+            linear(f"{a}.o_proj", s.hidden, s.heads * s.v_head_dim, i, "o_in")
+        else:
+            linear(f"{a}.q_proj", s.heads * s.head_dim, s.hidden, i, "attn_in", s.qkv_bias)
+            linear(f"{a}.k_proj", s.kv_heads * s.head_dim, s.hidden, i, "attn_in", s.qkv_bias)
+            linear(f"{a}.v_proj", s.kv_heads * s.head_dim, s.hidden, i, "attn_in", s.qkv_bias)
+            linear(f"{a}.o_proj", s.hidden, s.heads * s.head_dim, i, "o_in", s.o_bias)
+            if s.qk_norm:
+                norm(f"{a}.q_norm", s.head_dim, i)
+                norm(f"{a}.k_norm", s.head_dim, i)
+        if s.is_moe and s.moe_layers[i]:
+            m = f"{L}.mlp"
+            t.append(TensorSpec(f"{m}.gate.weight", (s.experts, s.hidden), "router", 1, i))
+            if s.router_bias:
+                t.append(TensorSpec(f"{m}.gate.e_score_correction_bias", (s.experts,), "router", 1, i))
+            # each expert sees its own tokens: its own Hessian (counted `experts` times)
+            mlp(f"{m}.experts.*", s.expert_intermediate, i, s.experts, "expert")
+            if s.shared_style == "qwen":
+                mlp(f"{m}.shared_expert", s.shared_intermediate, i, 1, "shared")
+                t.append(TensorSpec(f"{m}.shared_expert_gate.weight", (1, s.hidden), "router", 1, i))
+            elif s.shared_style == "deepseek" and s.shared_intermediate:
+                mlp(f"{m}.shared_experts", s.shared_intermediate, i, 1, "shared")
+        else:
+            mlp(f"{L}.mlp", s.intermediate, i)
+        norm(f"{L}.input_layernorm", s.hidden, i)
+        norm(f"{L}.post_attention_layernorm", s.hidden, i)
+        if s.sandwich_norms:
+            norm(f"{L}.pre_feedforward_layernorm", s.hidden, i)
+            norm(f"{L}.post_feedforward_layernorm", s.hidden, i)
+    t.append(TensorSpec(f"{p}.norm.weight", (s.hidden,), "norm"))
+    if not s.tied:
+        t.append(TensorSpec("lm_head", (s.vocab, s.hidden), "linear", input_group="lm_head"))
+    if s.vision_params:
+        t.append(TensorSpec("model.visual", (s.vision_params,), "vision"))
+    return t
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """compressed-tensors-style ignore, as qtk.pipeline applies it: exact name, a dotted suffix,
+    or 're:' regex (full match). Expert templates ('experts.*') are matched as expert 0."""
+    name = name.replace(".*.", ".0.")
+    for pat in patterns:
+        if pat.startswith("re:"):
+            if re.fullmatch(pat[3:], name):
+                return True
+        elif name == pat or name.endswith("." + pat):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint a recipe produces
+
+
+@dataclass(frozen=True)
+class DiskTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    part: str  # quantized | scales | dense | kv_scales | vision
+    count: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype] * self.count
+
+
+def checkpoint_format(recipe) -> str | None:
+    """compressed-tensors format of a recipe's Linears (None: no recipe, dense checkpoint)."""
+    if recipe is None:
+        return None
+    if recipe.weights.type == "float":
+        return "float-quantized"
+    return "int-quantized" if recipe.activations is not None else "pack-quantized"
+
+
+def _quantized_linear(spec: TensorSpec, recipe, dtype: str) -> list[DiskTensor]:
+    """The tensors one quantized Linear becomes on disk (FORMATS.md §1)."""
+    out, inn = spec.shape
+    w = recipe.weights
+    n, c = spec.name, spec.count
+    fmt = checkpoint_format(recipe)
+    if w.strategy == "tensor":
+        groups = None
+    elif w.strategy == "group":
+        groups = -(-inn // w.group_size)
+    else:
+        groups = 1
+    scale_shape = (1,) if groups is None else (out, groups)
+    ts: list[DiskTensor] = []
+    if fmt == "float-quantized":
+        ts.append(DiskTensor(f"{n}.weight", (out, inn), "float8_e4m3fn", "quantized", c))
+        ts.append(DiskTensor(f"{n}.weight_scale", scale_shape, "float32", "scales", c))
+    elif fmt == "int-quantized":
+        ts.append(DiskTensor(f"{n}.weight", (out, inn), "int8", "quantized", c))
+        ts.append(DiskTensor(f"{n}.weight_scale", scale_shape, dtype, "scales", c))
+        if not w.symmetric:
+            ts.append(DiskTensor(f"{n}.weight_zero_point", scale_shape, "int8", "scales", c))
+    else:  # pack-quantized: values packed along the input dim into int32 words
+        words = -(-inn * w.num_bits // 32)
+        ts.append(DiskTensor(f"{n}.weight_packed", (out, words), "int32", "quantized", c))
+        ts.append(DiskTensor(f"{n}.weight_scale", scale_shape, dtype, "scales", c))
+        ts.append(DiskTensor(f"{n}.weight_shape", (2,), "int64", "scales", c))
+        if not w.symmetric:
+            zp_rows = 1 if groups is None else -(-out * w.num_bits // 32)  # zero points pack along dim 0
+            ts.append(DiskTensor(f"{n}.weight_zero_point", (zp_rows, groups or 1), "int32", "scales", c))
+    if recipe.static_activations:
+        ts.append(DiskTensor(f"{n}.input_scale", (1,), "float32", "scales", c))
+    return ts
+
+
+def checkpoint_tensors(s: ModelShape, recipe=None, dtype: str | None = None) -> list[DiskTensor]:
+    """Every tensor of the checkpoint `qtk convert` writes for this recipe (None: the dense model)."""
+    dtype = normalize_dtype(dtype, s.dtype)
+    out: list[DiskTensor] = []
+    for spec in model_tensors(s):
+        if spec.role == "linear" and recipe is not None and not matches(spec.name, recipe.ignore):
+            out.extend(_quantized_linear(spec, recipe, dtype))
+        elif spec.role == "linear":
+            out.append(DiskTensor(f"{spec.name}.weight", spec.shape, dtype, "dense", spec.count))
+        elif spec.role == "vision":
+            out.append(DiskTensor(spec.name, spec.shape, dtype, "vision"))
+        else:
+            # routers stay dense: vLLM builds MoE gates without a quant method
+            out.append(DiskTensor(spec.name, spec.shape, dtype, "dense", spec.count))
+    if recipe is not None and recipe.kv_cache is not None:
+        for i in range(s.layers):
+            for k in ("k_scale", "v_scale"):
+                out.append(DiskTensor(f"{s.prefix}.layers.{i}.self_attn.{k}", (1,), "float32", "kv_scales"))
+    return out
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Checkpoint bytes by part; `total` is what a server loads (before tensor-parallel splitting)."""
+
+    total: int
+    quantized: int
+    scales: int
+    dense: int
+    kv_scales: int
+    vision: int
+    params: int  # source parameters (text + vision estimate)
+    quantized_params: int  # parameters stored in a quantized Linear
+    experts: int  # bytes of routed experts (all parts): a decode step reads only the experts it routes to
+    expert_params: int
+    dtype: str
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def weight_bytes(s: ModelShape, recipe=None, dtype: str | None = None) -> WeightBytes:
+    """Exact checkpoint bytes of the model under `recipe` (None: unquantized, in `dtype`)."""
+    dtype = normalize_dtype(dtype, s.dtype)
+    parts = {"quantized": 0, "scales": 0, "dense": 0, "kv_scales": 0, "vision": 0}
+    experts = 0
+    for t in checkpoint_tensors(s, recipe, dtype):
+        parts[t.part] += t.nbytes
+        if ".experts.*." in t.name:
+            experts += t.nbytes
+    specs = model_tensors(s)
+    qparams = 0
+    if recipe is not None:
+        qparams = sum(x.numel for x in specs if x.role == "linear" and not matches(x.name, recipe.ignore))
+    return WeightBytes(total=sum(parts.values()), params=sum(x.numel for x in specs), quantized_params=qparams,
+                       experts=experts, expert_params=sum(x.numel for x in specs if ".experts.*." in x.name),
+                       dtype=dtype, **parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+
+def kv_bytes_of(recipe, dtype: str) -> int:
+    """Bytes per cached element: 1 when the recipe quantizes the KV cache, else the model dtype."""
+    return 1 if recipe is not None and recipe.kv_cache is not None else DTYPE_BYTES[dtype]
+
+
+def kv_elements_per_token(s: ModelShape, tp: int = 1) -> list[tuple[int, int | None]]:
+    """Per layer: (cached elements per token on one GPU, sliding window or None).
+
+    Standard attention caches K and V: 2 × kv_heads × head_dim; tensor parallelism splits KV heads
+    and replicates them when there are fewer heads than GPUs. MLA caches one latent
+    (kv_lora_rank + rope dims) that every GPU holds in full.
+    """
+    if s.is_mla:
+        per = s.kv_lora_rank + s.qk_rope_head_dim
+    else:
+        per = 2 * -(-s.kv_heads // tp) * s.head_dim
+    windows = s.windows or (None,) * s.layers
+    return [(per, windows[i]) for i in range(s.layers)]
+
+
+def kv_bytes_per_token(s: ModelShape, kv_bytes: int, tp: int = 1) -> int:
+    """KV bytes one more token costs on one GPU, ignoring sliding-window caps."""
+    return sum(e for e, _ in kv_elements_per_token(s, tp)) * kv_bytes
+
+
+def kv_bytes_per_request(s: ModelShape, context: int, kv_bytes: int, tp: int = 1) -> int:
+    """KV bytes of one request holding `context` tokens, sliding-window layers capped at their window."""
+    return sum(e * (min(context, w) if w else context) for e, w in kv_elements_per_token(s, tp)) * kv_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving memory on one GPU of a deployment
+
+
+def activation_bytes(s: ModelShape, dtype_bytes: int, concurrency: int, tp: int = 1,
+                     batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> int:
+    """Peak activation/workspace per GPU: one chunked-prefill step of `batched_tokens` through the widest
+    layer (residual, q/k/v, MLP gate/up and product), plus fp32 logits and probabilities per sequence."""
+    if s.is_moe:
+        mlp = max(s.intermediate if not all(s.moe_layers) else 0,
+                  s.top_k * s.expert_intermediate + s.shared_intermediate)
+    else:
+        mlp = s.intermediate
+    attn = (s.heads * s.qk_head_dim + 2 * s.kv_heads * s.head_dim) // tp
+    per_token = 4 * s.hidden + attn + 3 * mlp // tp
+    logits = 2 * concurrency * s.vocab * 4  # logits are gathered in full on every rank
+    return batched_tokens * per_token * dtype_bytes + logits
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Memory on one GPU: what the deployment needs against the budget (mem × utilisation)."""
+
+    budget: int
+    weights: int
+    kv_per_token: int
+    kv_per_request: int
+    kv_total: int
+    activations: int
+    overhead: int
+    needed: int
+    headroom: int
+    fits: bool
+    max_concurrency: int
+    max_context: int
+    max_context_limited_by: str  # memory | model
+    kv_bytes: int
+
+    @property
+    def headroom_fraction(self) -> float:
+        return self.headroom / self.budget if self.budget else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["headroom_fraction"] = round(self.headroom_fraction, 4)
+        return d
+
+
+def plan_memory(s: ModelShape, weights: WeightBytes, *, mem_bytes: int, kv_bytes: int, context: int,
+                concurrency: int, tp: int = 1, utilization: float = DEFAULT_UTILIZATION,
+                overhead: int = DEFAULT_OVERHEAD_BYTES, batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> MemoryPlan:
+    """Fit `concurrency` requests of `context` tokens on each of `tp` GPUs of `mem_bytes`."""
+    dbytes = DTYPE_BYTES[weights.dtype]
+    budget = int(mem_bytes * utilization)
+    # vLLM shards Linears and the vocabulary across ranks; norms are replicated but negligible
+    w = -(-weights.total // tp)
+    act0 = activation_bytes(s, dbytes, 0, tp, batched_tokens)
+    logits_per_seq = activation_bytes(s, dbytes, 1, tp, batched_tokens) - act0
+    per_req = kv_bytes_per_request(s, context, kv_bytes, tp)
+    kv_total = per_req * concurrency
+    act = act0 + logits_per_seq * concurrency
+    needed = w + kv_total + act + overhead
+    free = budget - w - act0 - overhead  # what KV and per-sequence buffers can use
+    max_conc = max(0, free // (per_req + logits_per_seq)) if per_req + logits_per_seq else 0
+
+    # longest context at this concurrency: KV grows monotonically with context, so bisect
+    kv_room = free - logits_per_seq * concurrency
+    model_max = s.max_position or 1 << 24
+    if kv_room <= 0:
+        max_ctx, limited = 0, "memory"
+    elif kv_bytes_per_request(s, model_max, kv_bytes, tp) * concurrency <= kv_room:
+        max_ctx, limited = model_max, "model"
+    else:
+        lo, hi = 0, model_max
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if kv_bytes_per_request(s, mid, kv_bytes, tp) * concurrency <= kv_room:
+                lo = mid
+            else:
+                hi = mid - 1
+        max_ctx, limited = lo, "memory"
+    return MemoryPlan(budget=budget, weights=w, kv_per_token=kv_bytes_per_token(s, kv_bytes, tp),
+                      kv_per_request=per_req, kv_total=kv_total, activations=act, overhead=overhead,
+                      needed=needed, headroom=budget - needed, fits=needed <= budget, max_concurrency=int(max_conc),
+                      max_context=int(max_ctx), max_context_limited_by=limited, kv_bytes=kv_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# What `qtk convert` needs
+
+
+@dataclass(frozen=True)
+class ConversionMemory:
+    """Peak memory of `qtk convert`: one layer in fp32, embeddings, calibration activations, Hessians."""
+
+    layer_fp32: int
+    embeddings: int
+    calibration: int
+    hessians: int
+    awq_cache: int
+    total: int
+    notes: tuple[str, ...] = field(default=())
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "notes"} | {"notes": list(self.notes)}
+
+
+def conversion_memory(s: ModelShape, recipe=None, *, num_samples: int | None = None,
+                      seq_len: int | None = None) -> ConversionMemory:
+    """What converting this model with `recipe` holds at once (DESIGN.md §1: O(one layer))."""
+    specs = model_tensors(s)
+    per_layer: dict[int, int] = {}
+    for x in specs:
+        if x.layer is not None:
+            per_layer[x.layer] = per_layer.get(x.layer, 0) + x.numel
+    layer_fp32 = max(per_layer.values(), default=0) * 4
+    embeddings = s.vocab * s.hidden * DTYPE_BYTES[s.dtype]
+    notes = []
+    calibration = hessians = awq = 0
+    if recipe is not None and recipe.needs_calibration:
+        n = num_samples or recipe.calibration.num_samples
+        t = seq_len or recipe.calibration.seq_len
+        # the layer's inputs and outputs for every sample, fp32, swapped after each layer
+        calibration = 2 * n * t * s.hidden * 4
+        notes.append(f"calibration: {n} samples × {t} tokens × hidden {s.hidden} × 4 B × 2 copies")
+        steps = set(recipe.step_names)
+        if "gptq" in steps:
+            per_layer_h: dict[int, int] = {}
+            largest = 0
+            seen = set()
+            for x in specs:
+                if x.role != "linear" or x.layer is None or matches(x.name, recipe.ignore):
+                    continue
+                key = (x.layer, x.input_group)
+                if key in seen:
+                    continue
+                seen.add(key)
+                h = x.shape[1] ** 2 * 4
+                largest = max(largest, h)
+                per_layer_h[x.layer] = per_layer_h.get(x.layer, 0) + h * x.count
+            # one Hessian per distinct Linear input of the layer, plus the inverse being factorised
+            hessians = max(per_layer_h.values(), default=0) + largest
+            notes.append("GPTQ: one in×in fp32 Hessian per distinct Linear input in a layer (per expert for MoE)")
+        if "awq" in steps:
+            widest = max((x.shape[1] for x in specs if x.role == "linear" and x.layer is not None), default=0)
+            awq = n * t * widest * 4
+            notes.append("AWQ: the inputs of the widest Linear group cached for the scale search")
+    else:
+        notes.append("no calibration: weights stream layer by layer")
+    total = layer_fp32 + embeddings + calibration + hessians + awq
+    return ConversionMemory(layer_fp32, embeddings, calibration, hessians, awq, total, tuple(notes))

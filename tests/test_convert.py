@@ -1,0 +1,192 @@
+"""End to end: every shipped recipe converts, reloads in transformers + compressed-tensors (a real client)
+with the logits of qtk's own simulated model, and writes KV scales = amax/448 measured independently."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import EXAMPLE
+from qtk import api
+from qtk.calib import calibration_ids, load_texts
+from qtk.export import open_checkpoint
+from qtk.model.simulate import build_simulated_model
+from qtk.recipe import builtin_recipes, load_recipe
+
+RECIPES = sorted(builtin_recipes())
+NS, T = 8, 64
+
+
+def _models(tiny_llama):
+    out = [("random", tiny_llama)]
+    if (EXAMPLE / "model.safetensors").is_file():
+        out.append(("example", EXAMPLE))
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_llama, calib_file, tmp_path_factory):
+    """Each recipe once per model; the outputs are shared by the tests below."""
+    out = {}
+    root = tmp_path_factory.mktemp("conv")
+    for label, model in _models(tiny_llama):
+        for r in RECIPES:
+            res = api.convert(model, r, root / label / r, calib=str(calib_file), num_samples=NS, seq_len=T, hash_source=False)
+            out[(label, r)] = (model, res.outputs["vllm"])
+    return out
+
+
+def _reload(d):
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+
+
+def test_every_recipe_reloads_in_transformers_with_simulated_logits(converted):
+    ids = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(0))
+    assert {r for _, r in converted} == set(RECIPES)
+    for (label, r), (_, d) in converted.items():
+        sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
+        ref = _reload(d)
+        with torch.no_grad():
+            a, b = ref(ids).logits, sim(ids).logits
+        diff = (a - b).abs().max().item()
+        assert diff <= 1e-4, f"{label}/{r}: transformers reload differs from qtk's model by {diff}"
+        cfg = json.loads((d / "config.json").read_text())["quantization_config"]
+        assert cfg["quant_method"] == "compressed-tensors" and cfg["quantization_status"] == "compressed"
+        assert "lm_head" in cfg["ignore"]
+
+
+def test_quantized_model_is_close_to_but_not_the_source(converted):
+    """The reload is really quantized (differs from bf16) and still close to it."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(3, 90, (1, 32), generator=torch.Generator().manual_seed(1))
+    for (label, r), (model, d) in converted.items():
+        if label != "random":
+            continue
+        base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+        with torch.no_grad():
+            a = base(ids).logits.log_softmax(-1)
+            b = _reload(d)(ids).logits.log_softmax(-1)
+        kl = (a.exp() * (a - b)).sum(-1).mean().item()
+        assert 0 < kl < 0.5, f"{r}: KL to the source {kl}"
+
+
+def _independent_kv_amax(model_dir, d, calib_file):
+    """K after RoPE recomputed by hand from k_proj outputs and the model's rotary embedding, V from v_proj."""
+    from transformers import AutoTokenizer
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    ck = open_checkpoint(d)
+    m = build_simulated_model(ck, simulate_kv=False)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = calibration_ids(tok, load_texts(str(calib_file)), NS, T, 0)
+    cfg = m.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    k_out, v_out = {}, {}
+    hooks = []
+    for i, layer in enumerate(m.model.layers):
+        hooks.append(layer.self_attn.k_proj.register_forward_hook(lambda mod, a, o, i=i: k_out.setdefault(i, []).append(o)))
+        hooks.append(layer.self_attn.v_proj.register_forward_hook(lambda mod, a, o, i=i: v_out.setdefault(i, []).append(o)))
+    with torch.no_grad():
+        for b in ids.split(8):
+            m(b)
+    pos = torch.arange(T).unsqueeze(0)
+    cos, sin = m.model.rotary_emb(torch.zeros(1, T, 1), pos)
+    out = {}
+    for i in k_out:
+        k = torch.cat(k_out[i]).view(NS, T, -1, hd).transpose(1, 2)
+        _, k_rot = apply_rotary_pos_emb(k, k, cos, sin)
+        out[i] = (k_rot.abs().max().item(), torch.cat(v_out[i]).abs().max().item())
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["int8-kv8", "fp8-kv8"])
+def test_kv_scales_are_amax_over_448_of_k_after_rope_and_v(converted, calib_file, recipe):
+    for (label, r), (model, d) in converted.items():
+        if r != recipe:
+            continue
+        ck = open_checkpoint(d)
+        assert ck.kv_cache == "fp8"
+        amax = _independent_kv_amax(model, d, calib_file)
+        for i, (ka, va) in amax.items():
+            k_scale, v_scale = ck.kv_scales(i)
+            assert k_scale == pytest.approx(ka / 448, rel=1e-4), (label, i)
+            assert v_scale == pytest.approx(va / 448, rel=1e-4), (label, i)
+            assert k_scale != pytest.approx(v_scale)  # K and V really measured separately
+
+
+def test_static_activation_scales_and_shared_qkv_weight_scale(converted):
+    for (label, r), (model, d) in converted.items():
+        if r != "fp8":
+            continue
+        ck = open_checkpoint(d)
+        for i in range(2):
+            p = f"model.layers.{i}"
+            qkv = [ck.qtensor(f"{p}.self_attn.{x}_proj").scale for x in "qkv"]
+            assert torch.equal(qkv[0], qkv[1]) and torch.equal(qkv[0], qkv[2])  # fused group, one scale
+            gu = [ck.qtensor(f"{p}.mlp.{x}_proj").scale for x in ("gate", "up")]
+            assert torch.equal(gu[0], gu[1])
+            ins = [ck.input_scale(f"{p}.self_attn.{x}_proj") for x in "qkv"]
+            assert all(s is not None and s.item() > 0 for s in ins) and torch.equal(ins[0], ins[1])
+
+
+def test_manifest_records_recipe_calibration_and_versions(converted):
+    (model, d) = converted[("random", "int8-kv8")]
+    m = json.loads((d / "qtk.json").read_text())
+    assert m["recipe"]["name"] == "int8-kv8" and m["recipe"]["hash"] == load_recipe("int8-kv8").hash
+    assert m["calibration"]["num_samples"] == NS and m["calibration"]["seq_len"] == T
+    assert len(m["calibration"]["token_hash"]) == 16
+    assert m["versions"]["compressed-tensors"].startswith("0.20")
+    assert set(m["stats"]["kv_amax"]) == {"0", "1"}
+    assert (d / "tokenizer.json").is_file() and (d / "generation_config.json").is_file()
+
+
+def test_calibration_free_recipe_is_deterministic_and_skips_calibration(tiny_llama, tmp_path):
+    a = api.convert(tiny_llama, "w4a16", tmp_path / "a", hash_source=False)
+    b = api.convert(tiny_llama, "w4a16", tmp_path / "b", hash_source=False)
+    assert a.manifest["calibration"] == {"used": False}
+    fa = (a.outputs["vllm"] / "model.safetensors").read_bytes()
+    assert fa == (b.outputs["vllm"] / "model.safetensors").read_bytes()
+
+
+def test_calibrated_conversion_is_deterministic(tiny_llama, calib_file, tmp_path):
+    outs = [api.convert(tiny_llama, "fp8-kv8", tmp_path / n, calib=str(calib_file), num_samples=4, seq_len=32,
+                        hash_source=False).outputs["vllm"] for n in "ab"]
+    assert (outs[0] / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()
+
+
+def test_sharded_source_and_sharded_output(tmp_path, calib_file):
+    from models import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "sharded", hidden=128, intermediate=256, shard_bytes=200_000)
+    assert (src / "model.safetensors.index.json").is_file()
+    res = api.convert(src, "int8-kv8", tmp_path / "o", calib=str(calib_file), num_samples=4, seq_len=32,
+                      max_shard_bytes=150_000, hash_source=False)
+    d = res.outputs["vllm"]
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    shards = sorted(set(idx["weight_map"].values()))
+    assert len(shards) > 1 and all((d / s).is_file() for s in shards)
+    from safetensors import safe_open
+
+    n = 0
+    for s in shards:
+        with safe_open(str(d / s), "pt") as f:
+            for k in f.keys():
+                assert idx["weight_map"][k] == s
+                f.get_tensor(k)
+                n += 1
+    assert n == len(idx["weight_map"])
+    ref = api.convert(src, "int8-kv8", tmp_path / "o1", calib=str(calib_file), num_samples=4, seq_len=32, hash_source=False)
+    a, b = open_checkpoint(d), open_checkpoint(ref.outputs["vllm"])
+    for m in a.modules():
+        assert torch.equal(a.qtensor(m).values, b.qtensor(m).values)
+
+
+def test_source_directory_is_never_modified(tiny_llama, tmp_path):
+    before = {p.name: p.stat().st_mtime_ns for p in tiny_llama.iterdir()}
+    api.convert(tiny_llama, "w8a16", tmp_path / "o", hash_source=True)
+    assert {p.name: p.stat().st_mtime_ns for p in tiny_llama.iterdir()} == before
