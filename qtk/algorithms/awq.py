@@ -80,7 +80,7 @@ def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], scheme: Quan
         return (((xs / s) @ Q.t()) - ref).pow(2).mean().item()
 
     ones = torch.ones(in_f, device=x.device)
-    best_s, best_loss, best_ratio = ones, float('inf'), None; loss(ones)
+    best_s, best_loss, best_ratio = ones, loss(ones), None
     info = {"loss_identity": best_loss, "losses": []}
     for i in range(params.grid):
         r = i / params.grid
