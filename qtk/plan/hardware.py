@@ -54,8 +54,8 @@ class GPU:
         }
 
 
-def _gpu(name, label, mem_mib, tb_s, bf16, int8, fp8, price, link, gen, **kw) -> GPU:
-    return GPU(name, label, mem_mib * MIB, tb_s * 1e12, bf16, int8, fp8, price, link, gen, **kw)
+def _gpu(name, label, mem_mib, tb_s, bf16_tf, int8, fp8, price, link, gen, **kw) -> GPU:
+    return GPU(name, label, mem_mib * MIB, tb_s * 1e12, bf16_tf, int8, fp8, price, link, gen, **kw)
 
 
 GPUS: dict[str, GPU] = {g.name: g for g in (

@@ -1,0 +1,196 @@
+"""The decision tree behind `qtk plan --recommend`: which shipped recipe to use on this deployment.
+
+Recipes are read from the recipes directory and classified by their schemes, never by name. Order:
+compress the weights first (8-bit), then the KV cache, then 4-bit weights; the first class with a
+recipe that fits with headroom wins, and within a class the more accurate, better-supported recipe.
+FP8 is only considered on GPUs with FP8 tensor cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from qtk.plan.hardware import GB
+from qtk.plan.memory import MemoryPlan, ModelShape, WeightBytes
+from qtk.plan.planner import Deployment, evaluate
+
+DEFAULT_MIN_HEADROOM = 0.10  # of the budget: the activation and overhead figures are estimates
+CALIBRATED = ("gptq", "awq", "smoothquant")
+RISKY_WORKLOADS = ("math", "code")
+GRANULARITY = {"group": 0, "channel": 1, "tensor": 2}
+
+
+@dataclass(frozen=True)
+class RecipeClass:
+    """What decides a recipe's place in the tree, read from its schemes."""
+
+    weight_bits: int
+    fp8: bool  # FP8 weights or activations: needs FP8 tensor cores
+    kv8: bool
+    weight_only: bool
+    calibrated: str | None  # the calibrating step (gptq/awq/smoothquant), None for round-to-nearest
+    granularity: int
+    static_activations: bool
+
+    @classmethod
+    def of(cls, recipe) -> "RecipeClass":
+        w = recipe.weights
+        return cls(
+            weight_bits=w.num_bits,
+            fp8=w.type == "float" or (recipe.activations is not None and recipe.activations.type == "float"),
+            kv8=recipe.kv_cache is not None,
+            weight_only=recipe.activations is None,
+            calibrated=next((s for s in recipe.step_names if s in CALIBRATED), None),
+            granularity=GRANULARITY.get(w.strategy, 3),
+            static_activations=recipe.static_activations,
+        )
+
+    @property
+    def tier(self) -> tuple[int, int]:
+        # fewer bits = later; at equal bits an untouched KV cache comes first
+        return (-self.weight_bits, int(self.kv8))
+
+    def preference(self) -> tuple:
+        """Within a tier (same memory class), smaller is better."""
+        return (0 if self.fp8 else 1, 0 if self.calibrated else 1, 0 if self.weight_only else 1,
+                self.granularity, 1 if self.static_activations else 0)
+
+
+@dataclass
+class Candidate:
+    name: str
+    recipe: object | None
+    error: str | None = None
+    klass: RecipeClass | None = None
+    weights: WeightBytes | None = None
+    memory: MemoryPlan | None = None
+    status: str = ""  # chosen | passed | excluded | no-fit | tight | error
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        d = {"recipe": self.name, "status": self.status, "reason": self.reason}
+        if self.weights is not None:
+            d.update(weights_bytes=self.weights.total, needed_bytes_per_gpu=self.memory.needed,
+                     budget_bytes_per_gpu=self.memory.budget, headroom_fraction=round(self.memory.headroom_fraction, 4),
+                     fits=self.memory.fits, max_concurrency=self.memory.max_concurrency)
+        return d
+
+
+@dataclass
+class Decision:
+    chosen: str | None
+    reason: str
+    candidates: list[Candidate]
+    warnings: list[str] = field(default_factory=list)
+    baseline: MemoryPlan | None = None  # the unquantized model, for reference
+
+    @property
+    def recipe(self):
+        return next((c.recipe for c in self.candidates if c.name == self.chosen), None)
+
+    def as_dict(self) -> dict:
+        d = {"chosen": self.chosen, "reason": self.reason, "warnings": self.warnings,
+             "candidates": [c.as_dict() for c in self.candidates]}
+        if self.baseline is not None:
+            d["baseline"] = {"fits": self.baseline.fits, "needed_bytes_per_gpu": self.baseline.needed,
+                             "headroom_fraction": round(self.baseline.headroom_fraction, 4)}
+        return d
+
+
+def shipped_recipes() -> dict[str, object]:
+    """Every recipe in the recipes directory: name -> Recipe, or the error that stopped it loading."""
+    from qtk.errors import QtkError
+    from qtk.recipe import builtin_recipes, load_recipe
+
+    out: dict[str, object] = {}
+    for name, path in builtin_recipes().items():
+        try:
+            out[name] = load_recipe(path)
+        except QtkError as e:
+            out[name] = e
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _why_lower(c: RecipeClass, best: RecipeClass, best_name: str, gpu_label: str) -> str:
+    """One line on why a recipe of the same memory class ranks below the chosen one."""
+    if best.fp8 and not c.fp8:
+        return f"same memory class as {best_name}; FP8 runs natively on {gpu_label} and keeps more precision than INT8"
+    if best.calibrated and not c.calibrated:
+        return f"same memory class as {best_name}, which calibrates ({best.calibrated}) where this rounds to nearest"
+    if best.weight_only and not c.weight_only:
+        return f"same memory class as {best_name}; quantizing activations too adds accuracy risk for no memory gain"
+    if best.granularity < c.granularity:
+        return f"same memory class as {best_name}, which has finer weight scales"
+    if not best.static_activations and c.static_activations:
+        return f"same memory class as {best_name}, whose dynamic per-token activation scales are more robust than static ones"
+    return f"same memory class as {best_name}, ranked first by name"
+
+
+def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | None = None, *,
+              min_headroom: float = DEFAULT_MIN_HEADROOM, workload: str = "general") -> Decision:
+    """Pick a recipe for the deployment and give a one-line reason for every one passed over."""
+    recipes = shipped_recipes() if recipes is None else recipes
+    gpu = dep.gpu
+    cands: list[Candidate] = []
+    for name, r in sorted(recipes.items()):
+        if isinstance(r, Exception):
+            cands.append(Candidate(name, None, error=str(r), status="error", reason=f"could not be loaded: {r}"))
+            continue
+        k = RecipeClass.of(r)
+        w, m = evaluate(s, r, dep)
+        c = Candidate(name, r, klass=k, weights=w, memory=m)
+        if k.fp8 and not gpu.fp8:
+            c.status = "excluded"
+            c.reason = (f"FP8 needs FP8 tensor cores (Ada, Hopper, Blackwell, MI300); {gpu.label} ({gpu.generation}) "
+                        "has none")
+        elif not m.fits:
+            c.status = "no-fit"
+            c.reason = f"does not fit: needs {m.needed / GB:.1f} GB per GPU of {m.budget / GB:.1f} GB"
+        elif m.headroom_fraction < min_headroom:
+            c.status = "tight"
+            c.reason = f"fits with only {_pct(m.headroom_fraction)} headroom (wants {_pct(min_headroom)})"
+        cands.append(c)
+
+    _, base = evaluate(s, None, dep)
+    ok = [c for c in cands if not c.status]
+    if not ok:
+        fitting = [c for c in cands if c.memory is not None and c.status in ("no-fit", "tight")]
+        if fitting:
+            best = min(fitting, key=lambda c: c.memory.needed)
+            m = best.memory
+            why = (f"nothing fits with {_pct(min_headroom)} headroom on {dep.describe()}: the smallest, {best.name}, "
+                   f"needs {m.needed / GB:.1f} GB per GPU of {m.budget / GB:.1f} GB"
+                   + (f" (at most {m.max_concurrency} concurrent at this context)" if m.max_concurrency else ""))
+        else:
+            why = f"no shipped recipe can run on {dep.gpu.label}"
+        return Decision(None, why, cands, baseline=base)
+
+    ok.sort(key=lambda c: (c.klass.tier, c.klass.preference(), c.name))
+    best = ok[0]
+    best.status = "chosen"
+    k = best.klass
+    wdesc = "FP8" if best.recipe.weights.type == "float" else f"INT{k.weight_bits}"
+    best.reason = (f"{wdesc} weights{' + 8-bit KV cache' if k.kv8 else ''} fit with {_pct(best.memory.headroom_fraction)} "
+                   f"headroom ({best.memory.needed / GB:.1f} of {best.memory.budget / GB:.1f} GB per GPU); "
+                   f"the unquantized model {'also fits' if base.fits else 'does not fit'}")
+    for c in ok[1:]:
+        c.status = "passed"
+        if c.klass.weight_bits < k.weight_bits:
+            c.reason = f"{c.klass.weight_bits}-bit weights not needed: {best.name} fits with {k.weight_bits}-bit"
+        elif c.klass.kv8 and not k.kv8:
+            c.reason = f"KV-cache quantization not needed: {best.name} fits with a {best.weights.dtype} cache"
+        else:
+            c.reason = _why_lower(c.klass, k, best.name, gpu.label)
+
+    warnings = []
+    if k.weight_bits < 8:
+        warnings.append(f"INT{k.weight_bits} weights are risky for math/code workloads: gate {best.name} with qtk eval "
+                        "on your tasks before serving")
+        if workload in RISKY_WORKLOADS:
+            warnings.append(f"--workload {workload}: consider an 8-bit recipe on more GPUs (--tp {dep.tp * 2}) instead")
+    return Decision(best.name, best.reason, cands, warnings, base)

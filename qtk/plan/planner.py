@@ -1,0 +1,161 @@
+"""A full plan for one model, recipe and deployment: weights, KV cache, fit, throughput, cost,
+conversion memory and the serving flags. The pieces live in memory/cost/hardware/serving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qtk.errors import UsageError
+from qtk.plan.cost import Cost, Throughput, cost, throughput
+from qtk.plan.hardware import GB, GPU, tp_efficiency
+from qtk.plan.memory import (
+    DEFAULT_BATCHED_TOKENS, DEFAULT_OVERHEAD_BYTES, DEFAULT_UTILIZATION, ConversionMemory, MemoryPlan, ModelShape,
+    WeightBytes, conversion_memory, kv_bytes_of, normalize_dtype, plan_memory, weight_bytes,
+)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where and how the model is served: GPU × tp, context, concurrency and vLLM-style settings."""
+
+    gpu: GPU
+    context: int = 4096
+    concurrency: int = 8
+    tp: int = 1
+    utilization: float = DEFAULT_UTILIZATION
+    overhead: int = DEFAULT_OVERHEAD_BYTES
+    tp_efficiency_per_doubling: float | None = None
+    batched_tokens: int = DEFAULT_BATCHED_TOKENS
+    dtype: str | None = None  # serving dtype override
+
+    def __post_init__(self):
+        if self.context < 1:
+            raise UsageError(f"--context must be at least 1 token, got {self.context}", "e.g. --context 4096")
+        if self.concurrency < 1:
+            raise UsageError(f"--concurrency must be at least 1, got {self.concurrency}", "e.g. --concurrency 8")
+        if self.tp < 1:
+            raise UsageError(f"--tp must be at least 1, got {self.tp}", "e.g. --tp 2 for two GPUs")
+        if not 0 < self.utilization <= 1:
+            raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.utilization}", "vLLM's default is 0.9")
+        if self.tp_efficiency_per_doubling is not None and not 0 < self.tp_efficiency_per_doubling <= 1:
+            raise UsageError(f"--tp-efficiency must be in (0, 1], got {self.tp_efficiency_per_doubling}", "e.g. 0.9 for NVLink")
+
+    @property
+    def tp_eff(self) -> float:
+        return tp_efficiency(self.gpu, self.tp, self.tp_efficiency_per_doubling)
+
+    def describe(self) -> str:
+        return f"{self.tp}× {self.gpu.label}, {self.context}-token context, {self.concurrency} concurrent"
+
+    def as_dict(self) -> dict:
+        return {"gpu": self.gpu.as_dict(), "tp": self.tp, "context": self.context, "concurrency": self.concurrency,
+                "gpu_memory_utilization": self.utilization, "overhead_bytes": self.overhead,
+                "tp_efficiency": round(self.tp_eff, 4), "batched_tokens": self.batched_tokens}
+
+
+def serving_dtype(s: ModelShape, dep: Deployment) -> str:
+    """The dtype dense tensors are served in: vLLM runs float32 checkpoints in bf16 (fp16 without bf16)."""
+    d = normalize_dtype(dep.dtype, s.dtype)
+    if d == "float32" and dep.dtype is None:
+        d = "bfloat16"
+    if d == "bfloat16" and not dep.gpu.bf16:
+        d = "float16"  # same bytes; T4 has no bf16
+    return d
+
+
+def evaluate(s: ModelShape, recipe, dep: Deployment) -> tuple[WeightBytes, MemoryPlan]:
+    """Weights and per-GPU memory of `recipe` (None: unquantized) on the deployment."""
+    dtype = serving_dtype(s, dep)
+    w = weight_bytes(s, recipe, dtype)
+    m = plan_memory(s, w, mem_bytes=dep.gpu.mem_bytes, kv_bytes=kv_bytes_of(recipe, dtype), context=dep.context,
+                    concurrency=dep.concurrency, tp=dep.tp, utilization=dep.utilization, overhead=dep.overhead,
+                    batched_tokens=dep.batched_tokens)
+    return w, m
+
+
+def activation_type(recipe) -> str | None:
+    """GEMM input type the engine runs: fp8 / int8 when activations are quantized, else 16-bit."""
+    return recipe.activations.type if recipe is not None and recipe.activations is not None else None
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    deployment: Deployment
+    recipe_name: str
+    recipe: object | None
+    weights: WeightBytes
+    memory: MemoryPlan
+    throughput: Throughput
+    cost: Cost
+    conversion: ConversionMemory
+    serving: dict
+    notes: list[str] = field(default_factory=list)
+    recommendation: object | None = None  # decide.Decision when --recommend
+
+    def as_dict(self) -> dict:
+        s = self.shape
+        d = {
+            "model": {"model_type": s.model_type, "params": self.weights.params, "layers": s.layers, "hidden": s.hidden,
+                      "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "vocab": s.vocab,
+                      "experts": s.experts, "top_k": s.top_k, "mla_kv_lora_rank": s.kv_lora_rank,
+                      "sliding_window_layers": sum(1 for w in s.windows if w), "tied_embeddings": s.tied,
+                      "max_position_embeddings": s.max_position, "dtype": self.weights.dtype},
+            "recipe": self.recipe_name,
+            "deployment": self.deployment.as_dict(),
+            "weights": self.weights.as_dict(),
+            "memory": self.memory.as_dict(),
+            "throughput": self.throughput.as_dict(),
+            "cost": self.cost.as_dict(),
+            "conversion": self.conversion.as_dict(),
+            "serving": self.serving,
+            "notes": self.notes,
+        }
+        if self.recommendation is not None:
+            d["recommendation"] = self.recommendation.as_dict()
+        return d
+
+
+def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan) -> list[str]:
+    """Warnings a reader should see next to the numbers."""
+    notes = list(s.notes)
+    if recipe is not None and (recipe.weights.type == "float" or activation_type(recipe) == "float") and not dep.gpu.fp8:
+        notes.append(f"FP8 recipe on {dep.gpu.label}: no FP8 tensor cores ({dep.gpu.generation}); engines fall back "
+                     "to slower weight-only kernels or refuse — prefer an INT8 recipe")
+    if recipe is not None and recipe.weights.num_bits < 8:
+        notes.append(f"INT{recipe.weights.num_bits} weights are risky for math/code workloads: gate the checkpoint with qtk eval")
+    if s.max_position and dep.context > s.max_position:
+        notes.append(f"context {dep.context} exceeds the model's max_position_embeddings ({s.max_position})")
+    if not dep.gpu.bf16:
+        notes.append(f"{dep.gpu.label} has no bf16: served in fp16 (same bytes)")
+    if normalize_dtype(dep.dtype, s.dtype) != s.dtype or (s.dtype == "float32" and dep.dtype is None):
+        notes.append(f"checkpoint dtype {s.dtype}, served as {serving_dtype(s, dep)}")
+    if s.is_mla:
+        notes.append("MLA: the cache holds one latent (kv_lora_rank + rope dims) per token per layer, replicated across tp ranks")
+    if any(s.windows):
+        n = sum(1 for w in s.windows if w)
+        notes.append(f"{n} of {s.layers} layers use a sliding window of {max(w for w in s.windows if w)} tokens: their KV is capped")
+    if dep.tp > 1 and not s.is_mla and s.kv_heads < dep.tp:
+        notes.append(f"{s.kv_heads} KV heads on {dep.tp} GPUs: each GPU holds a replicated copy of one KV head")
+    if not m.fits and m.max_concurrency:
+        notes.append(f"does not fit at {dep.concurrency} concurrent: at most {m.max_concurrency} at {dep.context} tokens")
+    return notes
+
+
+def make_plan(s: ModelShape, recipe, dep: Deployment, *, recipe_name: str | None = None, api_usd_per_1m: float | None = None,
+              decision=None, model_path: str = "CHECKPOINT") -> Plan:
+    """Everything `qtk plan` reports for one recipe (None: the unquantized model)."""
+    from qtk.plan.serving import serving_commands
+
+    w, m = evaluate(s, recipe, dep)
+    tput = throughput(s, w, m, dep.gpu, tp=dep.tp, concurrency=dep.concurrency, context=dep.context,
+                      activation_type=activation_type(recipe), tp_eff=dep.tp_eff)
+    c = cost(tput, dep.gpu, dep.tp, api_usd_per_1m)
+    conv = conversion_memory(s, recipe)
+    name = recipe_name or (recipe.name if recipe is not None else f"none ({w.dtype})")
+    serving = serving_commands(s, recipe, m, dep, model_path=model_path)
+    return Plan(s, dep, name, recipe, w, m, tput, c, conv, serving, plan_notes(s, recipe, dep, m), decision)
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.2f} GB"

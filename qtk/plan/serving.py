@@ -1,0 +1,117 @@
+"""Engine settings that implement a plan: a `vllm serve` line and the TensorRT-LLM equivalents.
+
+`serving_section` renders them as Markdown; `qtk convert` puts it in the checkpoint's README.
+Paged attention and continuous (in-flight) batching are both engines' defaults, so no flag asks for them.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Mapping
+
+from qtk.plan.hardware import GB
+from qtk.plan.memory import MemoryPlan, ModelShape
+
+
+def kv_cache_dtype_flag(recipe) -> str:
+    """vLLM's --kv-cache-dtype: an 8-bit KV recipe is served as FP8 with the checkpoint's k/v scales
+    (vLLM has no INT8 KV cache with checkpoint scales, FORMATS.md §1)."""
+    return "fp8" if recipe is not None and recipe.kv_cache is not None else "auto"
+
+
+def serving_commands(s: ModelShape, recipe, m: MemoryPlan, dep, *, model_path: str = "CHECKPOINT",
+                     trtllm_checkpoint: str = "TRTLLM_CHECKPOINT", engine_dir: str = "ENGINE_DIR") -> dict:
+    """The flags for vLLM and TensorRT-LLM at the plan's concurrency (or the most that fits)."""
+    seqs = dep.concurrency if m.fits else max(1, min(dep.concurrency, m.max_concurrency))
+    vllm = (f"vllm serve {model_path} --kv-cache-dtype {kv_cache_dtype_flag(recipe)} "
+            f"--gpu-memory-utilization {dep.utilization:g} --max-num-seqs {seqs} "
+            f"--max-model-len {dep.context} --tensor-parallel-size {dep.tp}")
+    # TensorRT-LLM sizes its KV pool as a fraction of the memory still free after weights and
+    # buffers; this fraction gives it the pool vLLM gets at the same utilisation.
+    rest = m.weights + m.activations + m.overhead
+    free = dep.gpu.mem_bytes - rest
+    pool = m.budget - rest
+    fraction = math.floor(100 * pool / free) / 100 if free > 0 and pool > 0 else 0.0
+    fraction = min(max(fraction, 0.05), 0.95)
+    tokens = min(dep.batched_tokens, dep.context * seqs)
+    build = (f"trtllm-build --checkpoint_dir {trtllm_checkpoint} --output_dir {engine_dir} "
+             f"--max_batch_size {seqs} --max_seq_len {dep.context} --max_num_tokens {tokens}")
+    serve = (f"trtllm-serve {engine_dir} --tokenizer {model_path} --backend tensorrt --max_batch_size {seqs} "
+             f"--max_seq_len {dep.context} --max_num_tokens {tokens} --tp_size {dep.tp} "
+             f"--kv_cache_free_gpu_memory_fraction {fraction:.2f}")
+    notes = []
+    if dep.tp > 1:
+        notes.append(f"TensorRT-LLM: the checkpoint must be written for tp_size {dep.tp} (one rank file per GPU)")
+    if recipe is not None and recipe.kv_cache is not None:
+        kind = "FP8" if recipe.kv_cache.is_fp8 else "INT8"
+        notes.append(f"KV cache: vLLM runs it as FP8 with the checkpoint's k/v scales; TensorRT-LLM builds an {kind} "
+                     "cache from the checkpoint's kv_cache_quant_algo")
+        if recipe.kv_cache.is_fp8 and not dep.gpu.fp8:
+            notes.append(f"TensorRT-LLM has no FP8 KV cache on {dep.gpu.label}: use an INT8-KV recipe there")
+    if not m.fits:
+        notes.append(f"the plan does not fit at {dep.concurrency} concurrent: flags use {seqs}"
+                     + ("" if m.max_concurrency else " but even one request does not fit"))
+    return {"max_num_seqs": seqs, "vllm": vllm, "trtllm_build": build, "trtllm_serve": serve,
+            "trtllm_kv_cache_free_gpu_memory_fraction": fraction, "notes": notes}
+
+
+def serving_section(config: Mapping | str | Path, recipe=None, gpu="h100-80g", context: int = 4096,
+                    concurrency: int = 8, tp: int = 1, *, utilization: float = 0.9, model_path: str = ".",
+                    trtllm_checkpoint: str = "TRTLLM_CHECKPOINT", engine_dir: str = "ENGINE_DIR") -> str:
+    """Markdown 'Serving' section for a README: memory at this setting and the engine flags.
+
+    config: a config.json dict (or path); recipe: a Recipe, a recipe name/path, or None (unquantized);
+    gpu: a name from qtk.plan.hardware or a GPU.
+    """
+    from qtk.plan.hardware import GPU, get_gpu
+    from qtk.plan.memory import read_config
+    from qtk.plan.planner import Deployment, evaluate
+    from qtk.recipe import load_recipe
+
+    cfg = dict(config) if isinstance(config, Mapping) else read_config(config)
+    if isinstance(recipe, (str, Path)):
+        recipe = load_recipe(recipe)
+    g = gpu if isinstance(gpu, GPU) else get_gpu(gpu)
+    dep = Deployment(gpu=g, context=context, concurrency=concurrency, tp=tp, utilization=utilization)
+    s = ModelShape.from_config(cfg)
+    w, m = evaluate(s, recipe, dep)
+    cmds = serving_commands(s, recipe, m, dep, model_path=model_path, trtllm_checkpoint=trtllm_checkpoint,
+                            engine_dir=engine_dir)
+    name = recipe.name if recipe is not None else "unquantized"
+    kv_kind = "8-bit" if m.kv_bytes == 1 else w.dtype
+    verdict = (f"fits with {m.headroom / GB:.2f} GB headroom" if m.fits
+               else f"does not fit ({m.needed / GB:.2f} GB needed of {m.budget / GB:.2f} GB)")
+    lines = [
+        "## Serving",
+        "",
+        f"Planned by `qtk plan` for {dep.describe()} requests, recipe `{name}`: {verdict}.",
+        "",
+        "| per GPU | GB |",
+        "|---|---:|",
+        f"| weights | {m.weights / GB:.2f} |",
+        f"| KV cache ({concurrency} × {context} tokens, {kv_kind}) | {m.kv_total / GB:.2f} |",
+        f"| activations | {m.activations / GB:.2f} |",
+        f"| engine overhead | {m.overhead / GB:.2f} |",
+        f"| budget ({utilization:g} × {g.mem_bytes / GB:.1f} GB) | {m.budget / GB:.2f} |",
+        "",
+        f"At {context} tokens at most {m.max_concurrency} requests fit; at {concurrency} requests the longest "
+        f"context is {m.max_context} tokens" + (" (the model's limit)" if m.max_context_limited_by == "model" else "") + ".",
+        "",
+        "vLLM:",
+        "",
+        "```bash",
+        cmds["vllm"],
+        "```",
+        "",
+        "TensorRT-LLM:",
+        "",
+        "```bash",
+        cmds["trtllm_build"],
+        cmds["trtllm_serve"],
+        "```",
+    ]
+    if cmds["notes"]:
+        lines.append("")
+        lines.extend(f"- {n}" for n in cmds["notes"])
+    return "\n".join(lines) + "\n"
