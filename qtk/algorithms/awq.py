@@ -56,7 +56,8 @@ def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], scheme: Quan
 
     Candidates: s = 1, and for r = i/grid, i = 0..grid−1, s = x_mean^r / w_mean^(1−r) (x_mean^r without
     duo_scaling), normalised by sqrt(max s · min s). The chosen s minimises the mean squared error of
-    the concatenated outputs (x/s) @ Q(W·s)ᵀ against x @ Wᵀ on up to params.n_sample_tokens tokens; s = 1
+    the concatenated outputs (x/s) @ Q(W·s)ᵀ against x @ Wᵀ on up to params.n_sample_tokens evenly spaced
+    tokens (x_mean uses all of them), with each W·s in its own dtype as the folded model stores it; s = 1
     is kept unless a candidate is strictly better, so the error never exceeds plain RTN's.
     dtype: the model dtype (scales rounded to it when quantizing; default the weights' dtype).
 

@@ -91,7 +91,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
 
     info: damp (absolute, added to diag H), damp_percent (relative, after retries), retries,
     dead_columns, loss (1/n Σ‖(W − Q)x‖² = tr(ΔW H ΔWᵀ)/2, the layer's mean output error),
-    loss_estimate (the paper's Σ (w − q)²/[Hinv]²_jj / 2), actorder (None | "group" | "weight"),
+    loss_estimate (the paper's Σ (w − q)²/[Hinv]²_jj / 2, which equals tr(ΔW (H + damp·I) ΔWᵀ)/2), actorder (None | "group" | "weight"),
     dequantized (float32 [out, in], the exact matrix the algorithm chose; equals qt.dequantize()).
     """
     dtype = dtype or W.dtype
@@ -142,7 +142,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
 
     Qv = torch.zeros_like(W)  # quantized values (ints, or fp8 values) as float32 [out, in]
     Qd = torch.zeros_like(W)  # dequantized [out, in]
-    Losses = torch.zeros_like(W)
+    loss_estimate = 0.0
     bs = params.block_size
     for i1 in range(0, in_f, bs):
         i2 = min(i1 + bs, in_f)
@@ -180,7 +180,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
 
         Qv[:, i1:i2] = Q1
         Qd[:, i1:i2] = D1
-        Losses[:, i1:i2] = Losses1
+        loss_estimate += Losses1.sum().item()
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy batch update of the remaining columns
 
     g_idx = None
@@ -206,7 +206,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
         "retries": retries,
         "dead_columns": int(dead.sum()),
         "loss": ((dW @ H0) * dW).sum().item() / 2,
-        "loss_estimate": Losses.sum().item(),
+        "loss_estimate": loss_estimate,
         "actorder": None if not params.actorder else ("group" if dynamic_groups else "weight"),
         "dequantized": Qd,
     }

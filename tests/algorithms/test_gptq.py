@@ -86,6 +86,10 @@ def test_gptq_reconstruction_error_below_rtn(name, actorder):
     assert e_gptq < 0.65 * e_rtn, f"{name}: GPTQ/RTN = {e_gptq / e_rtn:.3f}"
     # info["loss"] is the mean squared output error per token, from H alone
     assert info["loss"] == pytest.approx(e_gptq**2 / TOKENS, rel=1e-3)
+    # the summed per-column losses are exactly the damped quadratic error: the error propagation is exact OBS
+    dW = W - info["dequantized"]
+    H_damped = hessian(X) + info["damp"] * torch.eye(IN)
+    assert info["loss_estimate"] == pytest.approx(((dW @ H_damped) * dW).sum().item() / 2, rel=1e-3)
     assert info["retries"] == 0 and info["damp"] == pytest.approx(0.01 * torch.diag(hessian(X)).mean().item(), rel=1e-5)
     v = qt.values
     assert v.dtype == torch.int8 and int(v.min()) >= scheme.qmin and int(v.max()) <= scheme.qmax
