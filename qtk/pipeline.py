@@ -158,11 +158,18 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
     weights = {t: layer.get_submodule(t).weight.detach() for t in targets}
     qweights = quantize_weights_rtn(weights, recipe, arch, dtype)
 
-    # swap in the simulated quantized Linears: the next layer sees what the engine will compute
+    errors = {}
     for t, qt in qweights.items():
-        lin = layer.get_submodule(t)
-        in_scale = static_scale(amax[t], act) if (act is not None and not act.dynamic) else None
-        replace_module(layer, t, QLinear(engine_weight(qt), None if lin.bias is None else lin.bias.detach(), act, in_scale))
+        if not torch.isfinite(qt.scale).all():  # a NaN/Inf weight poisons its row's scale: cheaper than scanning W
+            raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
+        w_hat = engine_weight(qt)
+        w = weights[t]
+        errors[prefix + t] = float((w_hat - w).norm() / w.norm().clamp_min(1e-12))
+        if batches:  # swap in the simulated quantized Linear: the next layer sees what the engine computes
+            lin = layer.get_submodule(t)
+            in_scale = static_scale(amax[t], act) if (act is not None and not act.dynamic) else None
+            replace_module(layer, t, QLinear(w_hat, None if lin.bias is None else lin.bias.detach(), act, in_scale))
+        del w_hat
 
     kv = None
     next_batches = None
@@ -176,10 +183,9 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
 
     quantized = {t + ".weight" for t in targets}
     dense = {prefix + k: v.detach().to(dtype) for k, v in layer.state_dict().items() if k not in quantized}
-    errors = {}
-    for t, qt in qweights.items():
-        w = weights[t].float()
-        errors[prefix + t] = float((qt.dequantize() - w).norm() / w.norm().clamp_min(1e-12))
+    for k, v in dense.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            raise UsageError(f"tensor {k} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
     result = LayerResult(
         index=i,
         qweights={prefix + t: q for t, q in qweights.items()},
