@@ -152,7 +152,8 @@ def convert(
                        "dtype": str(source.dtype).replace("torch.", ""), "files_sha256": hashes},
             "calibration": calib_info,
             "versions": _versions(),
-            "stats": {"weight_error": stats.weight_error, "kv_amax": stats.kv_amax, "input_amax": stats.input_amax},
+            "stats": {"weight_error": stats.weight_error, "kv_amax": stats.kv_amax, "input_amax": stats.input_amax,
+                      "algorithm": stats.records},
             "timings": timings,
         }
         for w in writers:

@@ -13,7 +13,6 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.model.simulate import KVAmax, QLinear, engine_weight, replace_module, set_kv_hook, use_qtk_attention
-from qtk.quant.qparams import quantize_weight, static_scale, weight_qparams
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import Recipe
 
@@ -29,6 +28,7 @@ class LayerResult:
     k_amax: float | None = None  # K after RoPE, this layer
     v_amax: float | None = None
     weight_error: dict[str, float] = field(default_factory=dict)  # full module name -> ||W - Q(W)|| / ||W||
+    records: dict = field(default_factory=dict)  # small search results (smoothing scales, clips, GPTQ damping)
 
 
 class _StopForward(Exception):
@@ -106,46 +106,12 @@ def _forward_all(layer, batches):
         return [(layer(h, **kw), kw) for h, kw in batches]
 
 
-def _observe_inputs(layer, names: list[str], batches) -> dict[str, float]:
-    """Per-tensor |x| max at each Linear input, over all calibration tokens."""
-    amax: dict[str, float] = {n: 0.0 for n in names}
-    hooks = []
-    for n in names:
-        def hook(mod, args, n=n):
-            amax[n] = max(amax[n], float(args[0].detach().abs().amax()))
-
-        hooks.append(layer.get_submodule(n).register_forward_pre_hook(hook))
-    try:
-        _forward_all(layer, batches)
-    finally:
-        for h in hooks:
-            h.remove()
-    return amax
-
-
-def quantize_weights_rtn(weights: dict[str, torch.Tensor], recipe: Recipe, arch, dtype) -> dict[str, QTensor]:
-    """Round-to-nearest; per-tensor scales are shared inside fusion groups (the engines fuse q/k/v, gate/up)."""
-    scheme = recipe.weights
-    out: dict[str, QTensor] = {}
-    if scheme.strategy == "tensor":
-        for g in arch.fusion_groups:
-            members = [m for m in g if m in weights]
-            if len(members) > 1:
-                joint = torch.cat([weights[m].float() for m in members], dim=0)
-                scale, zero = weight_qparams(joint, scheme, None if scheme.is_fp8 else dtype)
-                for m in members:
-                    out[m] = QTensor(quantize_weight(weights[m], scale, zero, scheme), scale, scheme, zero, None, dtype)
-    for name, w in weights.items():
-        if name not in out:
-            out[name] = QTensor.quantize(w, scheme, dtype)
-    return out
-
-
 def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batches, targets: list[str]):
     """Quantize one materialised layer; returns its LayerResult and the next layer's inputs."""
+    from qtk import calibrate as cal
+
     arch, dtype = source.arch, source.dtype
     prefix = source.layer_prefix(i)
-    act = recipe.activations
     for t in targets:
         if t not in dict(layer.named_modules()):
             raise UsageError(f"layer {i} has no module {t}", f"this checkpoint does not match the {arch.name} architecture table")
@@ -154,21 +120,37 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
             raise UsageError(f"group_size {recipe.weights.group_size} does not divide in_features {w.shape[1]} of {prefix + t}",
                              "choose a group_size that divides every Linear's input size (e.g. 32, 64 or 128)")
 
-    amax = _observe_inputs(layer, targets, batches) if (batches and recipe.static_activations) else {}
-    weights = {t: layer.get_submodule(t).weight.detach() for t in targets}
-    qweights = quantize_weights_rtn(weights, recipe, arch, dtype)
+    records: dict = {}
+    steps = {s.name: s.params for s in recipe.algorithm}
+    if batches and "smoothquant" in steps:
+        records["smoothquant"] = cal.apply_smoothquant(layer, arch, targets, batches, steps["smoothquant"])
+    if batches and "awq" in steps:
+        records["awq"] = cal.apply_awq(layer, arch, targets, batches, recipe, steps["awq"], dtype)
+    if records:  # folded norms/biases are stored in the model dtype: propagate exactly what is stored
+        quantized_w = {t + ".weight" for t in targets}
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if name not in quantized_w:
+                    p.copy_(p.to(dtype).float())
+    amax = cal.observe_input_amax(layer, arch, targets, batches) if (batches and recipe.static_activations) else {}
+    weights = {t: layer.get_submodule(t).weight.detach().clone() for t in targets}
+    if "gptq" in steps:
+        if not batches:
+            raise UsageError("GPTQ needs calibration data", "remove the gptq step or give --calib")
+        qweights, records["gptq"] = cal.gptq_weights(layer, arch, targets, batches, recipe, steps["gptq"], dtype, prefix, amax)
+    else:
+        qweights = cal.rtn_weights(weights, recipe, arch, dtype)
 
     errors = {}
     for t, qt in qweights.items():
         if not torch.isfinite(qt.scale).all():  # a NaN/Inf weight poisons its row's scale: cheaper than scanning W
             raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
-        w_hat = engine_weight(qt)
+        if batches and not isinstance(layer.get_submodule(t), QLinear):
+            w_hat = cal.swap_in(layer, t, qt, recipe, amax)  # the next layer sees what the engine computes
+        else:
+            w_hat = layer.get_submodule(t).weight if batches else engine_weight(qt)
         w = weights[t]
         errors[prefix + t] = float((w_hat - w).norm() / w.norm().clamp_min(1e-12))
-        if batches:  # swap in the simulated quantized Linear: the next layer sees what the engine computes
-            lin = layer.get_submodule(t)
-            in_scale = static_scale(amax[t], act) if (act is not None and not act.dynamic) else None
-            replace_module(layer, t, QLinear(w_hat, None if lin.bias is None else lin.bias.detach(), act, in_scale))
         del w_hat
 
     kv = None
@@ -194,6 +176,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
         k_amax=None if kv is None else kv.k,
         v_amax=None if kv is None else kv.v,
         weight_error=errors,
+        records={k: v for k, v in records.items() if v},
     )
     return result, next_batches
 
@@ -207,6 +190,7 @@ class PipelineStats:
     weight_error: dict[str, float] = field(default_factory=dict)
     input_amax: dict[str, float] = field(default_factory=dict)
     kv_amax: dict[int, list[float]] = field(default_factory=dict)
+    records: dict[int, dict] = field(default_factory=dict)
 
     def record(self, r: LayerResult) -> None:
         self.layers += 1
@@ -214,6 +198,8 @@ class PipelineStats:
         self.input_amax.update(r.input_amax)
         if r.k_amax is not None:
             self.kv_amax[r.index] = [r.k_amax, r.v_amax]
+        if r.records:
+            self.records[r.index] = r.records
 
 
 def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, batch_size: int = 8,

@@ -24,8 +24,10 @@ DEFAULT_MAX_SHARD = 5 * 10**9
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes | memoryview:
-    t = t.detach().contiguous().cpu()
-    return t.view(torch.uint8).numpy().data if t.numel() else b""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # size-1 dims can leave a "contiguous" tensor with odd strides
+        flat = flat.clone()
+    return flat.view(torch.uint8).numpy().data if flat.numel() else b""
 
 
 class _Shard:

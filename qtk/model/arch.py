@@ -40,6 +40,7 @@ class Arch:
         SmoothPair(UP, (DOWN,), False),
     )
     norm_one_plus: bool = False  # Gemma: effective norm weight is 1 + w
+    clip_skip: tuple[str, ...] = (Q, K)  # AWQ clip search skips q/k: their error is amplified by softmax
     # TensorRT-LLM checkpoint names of the layer's modules (gate_proj is TRT's `fc`, up_proj its `gate`)
     trtllm_architecture: str | None = "LlamaForCausalLM"
     trtllm_names: dict[str, str] = field(default_factory=lambda: {
