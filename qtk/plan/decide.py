@@ -31,6 +31,7 @@ class RecipeClass:
     weight_only: bool
     calibrated: str | None  # the calibrating step (gptq/awq/smoothquant), None for round-to-nearest
     granularity: int
+    symmetric: bool
     static_activations: bool
 
     @classmethod
@@ -43,6 +44,7 @@ class RecipeClass:
             weight_only=recipe.activations is None,
             calibrated=next((s for s in recipe.step_names if s in CALIBRATED), None),
             granularity=GRANULARITY.get(w.strategy, 3),
+            symmetric=w.symmetric,
             static_activations=recipe.static_activations,
         )
 
@@ -54,7 +56,7 @@ class RecipeClass:
     def preference(self) -> tuple:
         """Within a tier (same memory class), smaller is better."""
         return (0 if self.fp8 else 1, 0 if self.calibrated else 1, 0 if self.weight_only else 1,
-                self.granularity, 1 if self.static_activations else 0)
+                self.granularity, 0 if self.symmetric else 1, 1 if self.static_activations else 0)
 
 
 @dataclass
@@ -126,6 +128,8 @@ def _why_lower(c: RecipeClass, best: RecipeClass, best_name: str, gpu_label: str
         return f"same memory class as {best_name}; quantizing activations too adds accuracy risk for no memory gain"
     if best.granularity < c.granularity:
         return f"same memory class as {best_name}, which has finer weight scales"
+    if best.symmetric and not c.symmetric:
+        return f"same memory class as {best_name}, which is symmetric: no zero points to store or apply"
     if not best.static_activations and c.static_activations:
         return f"same memory class as {best_name}, whose dynamic per-token activation scales are more robust than static ones"
     return f"same memory class as {best_name}, ranked first by name"

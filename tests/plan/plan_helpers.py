@@ -1,9 +1,11 @@
-"""Shared helpers for the planner tests: public config.json files (tests/plan/configs) and meta models."""
+"""Helpers for the planner tests: public config.json files (tests/plan/configs) and meta models.
+
+A plain module, not a conftest.py: a second conftest would shadow tests/conftest.py for
+`from conftest import ...` elsewhere in the suite.
+"""
 
 import json
 from pathlib import Path
-
-import pytest
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -12,16 +14,10 @@ def config(name: str) -> dict:
     return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
-@pytest.fixture
-def shape_of():
+def shape(name: str):
     from qtk.plan.memory import ModelShape
 
-    return lambda name: ModelShape.from_config(config(name))
-
-
-@pytest.fixture
-def config_of():
-    return config
+    return ModelShape.from_config(config(name))
 
 
 def meta_model(name: str, dtype=None):
@@ -33,8 +29,3 @@ def meta_model(name: str, dtype=None):
     cls = AutoModelForImageTextToText if "vision_config" in config(name) else AutoModelForCausalLM
     with torch.device("meta"):
         return cls.from_config(cfg, dtype=dtype or torch.bfloat16)
-
-
-@pytest.fixture
-def meta_model_of():
-    return meta_model

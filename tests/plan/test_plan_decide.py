@@ -1,0 +1,159 @@
+"""The --recommend decision tree: three deployments, the nothing-fits case, and the ordering rules."""
+
+import pytest
+
+from plan_helpers import shape
+from qtk.errors import UsageError
+from qtk.plan.decide import RecipeClass, recommend, shipped_recipes
+from qtk.plan.hardware import get_gpu
+from qtk.plan.planner import Deployment
+from qtk.recipe import builtin_recipes, load_recipe, parse_recipe
+
+# The six recipes this test was written against; the shipped directory grows, so exact-name
+# assertions use this fixed set and the shipped set is checked by class.
+PINNED = ("fp8", "fp8-dynamic", "fp8-kv8", "int8-kv8", "w4a16", "w8a16")
+
+
+def pinned():
+    return {n: load_recipe(n) for n in PINNED}
+
+
+def dep(gpu, **kw):
+    return Deployment(gpu=get_gpu(gpu), **kw)
+
+
+def check_reasons(d):
+    """Every recipe passed over has a one-line reason; exactly one is chosen (or none)."""
+    assert sum(c.status == "chosen" for c in d.candidates) == (1 if d.chosen else 0)
+    for c in d.candidates:
+        assert c.status and c.reason and "\n" not in c.reason, c
+
+
+# --- Scenario 1: a 27B-class model on one A100-80G at 4K x 8 -----------------------------------
+
+def test_27b_on_one_a100_80g_takes_int8_weights_not_fp8():
+    s = shape("gemma-2-27b")
+    deployment = dep("a100-80g", context=4096, concurrency=8)
+    d = recommend(s, deployment, pinned())
+    check_reasons(d)
+    assert d.chosen == "w8a16"
+    by = {c.name: c for c in d.candidates}
+    for n in ("fp8", "fp8-dynamic", "fp8-kv8"):  # A100 has no FP8 tensor cores
+        assert by[n].status == "excluded" and "FP8" in by[n].reason and "A100" in by[n].reason
+    assert by["int8-kv8"].status == "passed" and "KV-cache quantization not needed" in by["int8-kv8"].reason
+    assert by["w4a16"].status == "passed" and "4-bit weights not needed" in by["w4a16"].reason
+    # the bf16 model would leave less than the 10% headroom the tree asks for
+    assert d.baseline.headroom_fraction < 0.10
+    assert not d.warnings
+    # against the whole shipped directory the choice stays in the same class
+    k = RecipeClass.of(recommend(s, deployment).recipe)
+    assert (k.weight_bits, k.fp8, k.kv8) == (8, False, False)
+
+
+# --- Scenario 2: 70B on two H100 -----------------------------------------------------------------
+
+def test_70b_on_two_h100_takes_fp8():
+    s = shape("llama-3.1-70b")
+    deployment = dep("h100-80g", tp=2, context=8192, concurrency=16)
+    d = recommend(s, deployment, pinned())
+    check_reasons(d)
+    assert d.chosen == "fp8-dynamic"
+    assert not d.baseline.fits  # 141 GB of bf16 weights do not fit in 2 x 72 GB
+    by = {c.name: c for c in d.candidates}
+    assert "finer weight scales" in by["fp8"].reason  # per-tensor vs per-channel
+    assert "FP8 runs natively" in by["w8a16"].reason
+    k = RecipeClass.of(recommend(s, deployment).recipe)
+    assert (k.weight_bits, k.fp8, k.kv8) == (8, True, False)
+    # on one H100 the 8-bit weights alone exceed the budget: only 4 bits fit (at a lighter load)
+    one = recommend(s, dep("h100-80g", tp=1, context=8192, concurrency=4), pinned())
+    assert RecipeClass.of(one.recipe).weight_bits == 4
+
+
+# --- Scenario 3: a 72B multimodal-sized text model ------------------------------------------------
+
+def test_72b_multimodal_on_one_h100_needs_int4_and_says_it_is_risky():
+    s = shape("qwen2.5-vl-72b")
+    d = recommend(s, dep("h100-80g", context=4096, concurrency=4), pinned())
+    check_reasons(d)
+    assert d.chosen == "w4a16"
+    for c in d.candidates:
+        if c.name != "w4a16":
+            assert c.status == "no-fit" and c.reason.startswith("does not fit")
+    assert any("risky for math/code" in w for w in d.warnings)
+    code = recommend(s, dep("h100-80g", context=4096, concurrency=4), pinned(), workload="code")
+    assert any("--workload code" in w and "--tp 2" in w for w in code.warnings)
+    # on an H200 the same model fits at 8 bits, so INT4 is passed over
+    h200 = recommend(s, dep("h200", context=4096, concurrency=4), pinned())
+    assert RecipeClass.of(h200.recipe).weight_bits == 8 and not h200.warnings
+
+
+# --- Nothing fits --------------------------------------------------------------------------------
+
+def test_nothing_fits_names_the_smallest_and_its_need():
+    d = recommend(shape("llama-3.1-70b"), dep("t4", context=32768, concurrency=8), pinned())
+    assert d.chosen is None and d.recipe is None
+    check_reasons(d)
+    assert d.reason.startswith("nothing fits")
+    # fp8 recipes cannot run on a T4; of the rest the 8-bit-KV recipe is smallest at 32K x 8
+    assert "int8-kv8" in d.reason and "GB per GPU" in d.reason
+
+
+# --- Ordering rules --------------------------------------------------------------------------------
+
+def test_a_calibrated_recipe_ranks_above_rtn_in_the_same_class():
+    recipes = pinned()
+    recipes["w4a16-gptq"] = parse_recipe({"name": "w4a16-gptq", "algorithm": ["gptq"],
+                                          "weights": {"num_bits": 4, "strategy": "group", "group_size": 128}})
+    d = recommend(shape("qwen2.5-vl-72b"), dep("h100-80g", context=4096, concurrency=4), recipes)
+    assert d.chosen == "w4a16-gptq"
+    assert "calibrates (gptq)" in next(c for c in d.candidates if c.name == "w4a16").reason
+
+
+def test_symmetric_ranks_above_asymmetric_when_both_calibrate():
+    w4 = {"num_bits": 4, "strategy": "group", "group_size": 128}
+    recipes = {"w4-awq": parse_recipe({"name": "w4-awq", "algorithm": ["awq"], "weights": {**w4, "symmetric": False}}),
+               "w4-gptq": parse_recipe({"name": "w4-gptq", "algorithm": ["gptq"], "weights": w4})}
+    d = recommend(shape("qwen2.5-vl-72b"), dep("h100-80g", context=4096, concurrency=4), recipes)
+    assert d.chosen == "w4-gptq"
+    assert "no zero points" in next(c for c in d.candidates if c.name == "w4-awq").reason
+
+
+def test_headroom_threshold_moves_the_choice():
+    s = shape("gemma-2-27b")
+    strict = recommend(s, dep("a100-80g", context=8192, concurrency=8), pinned(), min_headroom=0.5)
+    loose = recommend(s, dep("a100-80g", context=8192, concurrency=8), pinned(), min_headroom=0.0)
+    assert RecipeClass.of(strict.recipe).weight_bits == 4
+    assert loose.chosen == "w8a16"
+    assert any(c.status == "tight" and "headroom" in c.reason for c in strict.candidates)
+
+
+def test_broken_recipe_is_reported_not_fatal():
+    recipes = {**pinned(), "broken": UsageError("broken.yaml: unknown key 'wieghts'")}
+    d = recommend(shape("llama-3-8b"), dep("h100-80g"), recipes)
+    broken = next(c for c in d.candidates if c.name == "broken")
+    assert broken.status == "error" and "wieghts" in broken.reason
+    assert d.chosen == "fp8-dynamic"
+
+
+def test_the_shipped_directory_is_what_the_tree_reads():
+    shipped = shipped_recipes()
+    assert set(shipped) == set(builtin_recipes())
+    assert all(not isinstance(r, Exception) for r in shipped.values())
+
+
+def test_classification_reads_the_schemes():
+    k = RecipeClass.of(load_recipe("int8-kv8"))
+    assert (k.weight_bits, k.fp8, k.kv8, k.weight_only) == (8, False, True, False)
+    k = RecipeClass.of(load_recipe("w4a16"))
+    assert (k.weight_bits, k.fp8, k.kv8, k.weight_only, k.calibrated) == (4, False, False, True, None)
+    assert RecipeClass.of(load_recipe("fp8")).fp8
+    # weights first, then the KV cache, then fewer bits
+    tiers = sorted(PINNED, key=lambda n: RecipeClass.of(load_recipe(n)).tier)
+    assert [RecipeClass.of(load_recipe(n)).tier for n in tiers] == sorted(RecipeClass.of(load_recipe(n)).tier for n in PINNED)
+    assert tiers[-1] == "w4a16"
+
+
+@pytest.mark.parametrize("gpu", ["a100-40g", "t4"])
+def test_fp8_is_never_chosen_without_fp8_tensor_cores(gpu):
+    d = recommend(shape("llama-3-8b"), dep(gpu, context=2048, concurrency=2))
+    assert d.chosen is not None and not RecipeClass.of(d.recipe).fp8
