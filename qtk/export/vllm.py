@@ -25,6 +25,16 @@ KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": No
              "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
 
 
+def ct_version() -> str:
+    """The compressed-tensors version the config declares (read from metadata: importing it costs seconds)."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("compressed-tensors")
+    except md.PackageNotFoundError:
+        return "0.20.0"
+
+
 def ct_format(recipe) -> str:
     if recipe.weights.is_fp8:
         return "float-quantized"
@@ -98,8 +108,6 @@ class VLLMWriter(Writer):
         return {"weight": qt.values, "weight_scale": qt.scale.to(scale_dtype)}
 
     def quantization_config(self) -> dict:
-        import compressed_tensors
-
         r = self.recipe
         group = {"targets": ["Linear"], "weights": r.weights.to_ct_args(),
                  "input_activations": r.activations.to_ct_args() if r.activations else None,
@@ -108,7 +116,7 @@ class VLLMWriter(Writer):
             "quant_method": "compressed-tensors",
             "format": self.format,
             "quantization_status": "compressed",
-            "version": compressed_tensors.__version__,
+            "version": ct_version(),
             "config_groups": {"group_0": group},
             "ignore": sorted(set(self.ignored)),
             "kv_cache_scheme": dict(KV_SCHEME) if r.kv_cache is not None else None,

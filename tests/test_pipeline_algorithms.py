@@ -1,0 +1,75 @@
+"""The calibration algorithms inside the layer loop: GPTQ and AWQ beat RTN end to end, SmoothQuant is
+folded into what is stored, and the searched records land in the manifest."""
+
+import json
+
+import pytest
+import torch
+
+from models import write_calib
+from qtk import api
+from qtk.calib import calibration_ids, load_texts
+from qtk.export import open_checkpoint
+from qtk.model.simulate import build_simulated_model
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = tmp_path_factory.mktemp("alg")
+    calib = write_calib(d / "calib.jsonl", n=60, seed=1)
+    held = write_calib(d / "held.jsonl", n=20, seed=2)
+    ids = calibration_ids(AutoTokenizer.from_pretrained(str(tiny_llama)), load_texts(str(held)), 8, 64, 5)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = base(ids).logits.log_softmax(-1)
+    return d, calib, ids, ref
+
+
+def _kl(tiny_llama, setup, recipe, tag):
+    d, calib, ids, ref = setup
+    res = api.convert(tiny_llama, recipe, d / tag, calib=str(calib), num_samples=16, seq_len=64, hash_source=False)
+    m = build_simulated_model(open_checkpoint(res.outputs["vllm"]), simulate_kv=False)
+    with torch.no_grad():
+        lq = m(ids).logits.log_softmax(-1)
+    return float((ref.exp() * (ref - lq)).sum(-1).mean()), res
+
+
+def test_gptq_and_awq_beat_rtn_at_4_bits(tiny_llama, setup):
+    rtn, _ = _kl(tiny_llama, setup, "w4a16", "rtn")
+    gptq, res = _kl(tiny_llama, setup, "w4a16-gptq", "gptq")
+    awq, res_awq = _kl(tiny_llama, setup, "w4a16-awq", "awq")
+    print(f"KL to bf16: rtn {rtn:.4f} gptq {gptq:.4f} awq {awq:.4f}")
+    assert gptq < 0.5 * rtn
+    assert awq < rtn
+    man = json.loads((res.outputs["vllm"] / "qtk.json").read_text())
+    info = man["stats"]["algorithm"]["0"]["gptq"]
+    assert set(info) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    assert all(v["retries"] == 0 and v["loss"] > 0 for v in info.values())
+    ck = open_checkpoint(res_awq.outputs["vllm"])
+    qt = ck.qtensor("model.layers.0.mlp.down_proj")
+    assert qt.zero_point is not None and qt.scale.shape == (128, 2)  # asymmetric int4 g128
+
+
+def test_gptq_int8_beats_rtn_int8(tiny_llama, setup):
+    rtn, _ = _kl(tiny_llama, setup, "w8a16", "r8")
+    gptq, _ = _kl(tiny_llama, setup, "w8a16-gptq", "g8")
+    assert gptq < rtn
+
+
+def test_smoothquant_is_folded_into_the_stored_norms(tiny_llama, setup):
+    from safetensors.torch import load_file
+
+    _, res = _kl(tiny_llama, setup, "w8a8-sq", "sq")
+    d = res.outputs["vllm"]
+    src = load_file(str(tiny_llama / "model.safetensors"))
+    out = load_file(str(d / "model.safetensors"))
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        n = f"model.layers.0.{norm}.weight"
+        assert not torch.equal(src[n], out[n]), f"{norm} not smoothed"
+    man = json.loads((d / "qtk.json").read_text())
+    scales = man["stats"]["algorithm"]["0"]["smoothquant"]
+    # GQA (2 KV heads of 4): v_proj -> o_proj does not chain, so three pairs are smoothed
+    assert set(scales) == {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"}
