@@ -1,0 +1,96 @@
+"""`qtk eval`: the Click command. Parses, calls qtk.eval.api.run_gate, renders; the verdict is the exit code
+(0 pass, 1 gate failed, 2 usage error). No torch or transformers at import time."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from qtk.errors import QtkError
+
+
+class _QtkCommand(click.Command):
+    """qtk's errors as one line and their exit code, also when the command runs on its own (not under `qtk`)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QtkError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+
+
+def _summary(result) -> str:
+    from qtk.eval.report import UNITS, _digits, _f
+
+    rows = []
+    for t in result.tasks:
+        d, u = _digits(t.metric), UNITS.get(t.metric, "")
+        rows.append(f"  {t.status.upper():6} {t.name:<18} {t.metric:<12} base {_f(t.baseline, d)}{u:<2} cand {_f(t.candidate, d)}{u:<2} "
+                    f"Δ {t.diff:+.{d}f} [{_f(t.ci[0], d)}, {_f(t.ci[1], d)}]" + ("  (baseline cached)" if t.baseline_cached else ""))
+    a = result.agreement
+    if a is not None:
+        rows.append(f"  {a.status.upper():6} agreement          KL {_f(a.kl, 5)}  top-1 {_f(a.top1)}%  ppl ratio {_f(a.ppl_ratio, 4)}")
+    rows.append(f"  held-out: {result.contamination.status} — {result.contamination.message}")
+    for n in result.notes:
+        rows.append(f"  note: {n}")
+    rows.append(f"gate {'PASSED' if result.passed else 'FAILED'} ({result.mode} mode) in {result.timings.get('total', 0):.1f}s")
+    return "\n".join(rows)
+
+
+def _eval(checkpoint, baseline, tasks_file, junit, json_path, markdown, plot, engine, limit, seed, strict, strict_heldout,
+          cache_dir, no_cache, batch_size, device, dtype, bootstrap, task_names):
+    """Gate CHECKPOINT (a directory `qtk convert` wrote) against the original model: same examples, same batches,
+    paired bootstrap intervals, limits from the task file. Exit 0 pass, 1 gate failed, 2 usage error.
+
+    \b
+      qtk eval out/vllm --baseline model/ --tasks tasks.yaml --junit gate.xml --json gate.json
+    """
+    from qtk.eval.api import run_gate
+
+    def progress(msg):
+        click.echo(f"[qtk eval] {msg}", err=True)
+
+    result = run_gate(checkpoint, baseline, tasks_file, engine=engine, limit=limit, seed=seed, strict=strict,
+                      strict_heldout=strict_heldout, cache_dir=cache_dir, use_cache=not no_cache, batch_size=batch_size,
+                      device=device, dtype=dtype, bootstrap=bootstrap, tasks=list(task_names) or None, json_path=json_path,
+                      junit=junit, markdown=markdown, plot=plot, progress=progress)
+    click.echo(_summary(result))
+    result.raise_for_verdict()
+
+
+_options = [
+    click.argument("checkpoint", type=click.Path(path_type=str)),
+    click.option("--baseline", "-b", required=True, type=click.Path(path_type=str),
+                 help="The original Hugging Face model directory (BF16/FP16) the checkpoint was converted from."),
+    click.option("--tasks", "tasks_file", required=True, type=click.Path(path_type=str), help="YAML task file (see docs/eval.md)."),
+    click.option("--junit", type=click.Path(path_type=str), help="Write a JUnit XML report (one test case per task)."),
+    click.option("--json", "json_path", type=click.Path(path_type=str), help="Write the JSON report (schema qtk.eval/1)."),
+    click.option("--markdown", type=click.Path(path_type=str), help="Write a Markdown table for a pull request."),
+    click.option("--plot", type=click.Path(path_type=str), help="Write a per-layer quantization-error plot (PNG; needs matplotlib)."),
+    click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
+                 help="hf: transformers with the engine's quantization simulated; vllm: run it in vLLM (GPU)."),
+    click.option("--limit", type=int, default=None, help="Evaluate at most N examples per task [task file]."),
+    click.option("--seed", type=int, default=None, help="Seed for few-shot selection and the bootstrap [task file: 1234]."),
+    click.option("--strict", is_flag=True, help="Fail on the point estimate, even when the drop is not significant."),
+    click.option("--strict-heldout", is_flag=True, help="Fail when evaluation examples occur in the calibration data."),
+    click.option("--cache-dir", type=click.Path(path_type=str), default=None,
+                 help="Baseline result cache [$QTK_CACHE_DIR or ~/.cache/qtk/eval]."),
+    click.option("--no-cache", is_flag=True, help="Neither read nor write the baseline cache."),
+    click.option("--batch-size", type=int, default=16, show_default=True, help="Sequences per forward pass."),
+    click.option("--device", default=None, help="hf engine device: cpu, cuda, cuda:1 [cuda if available]."),
+    click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+                 help="hf engine compute dtype, the same for baseline and candidate."),
+    click.option("--bootstrap", type=int, default=2000, show_default=True, help="Bootstrap resamples for the intervals."),
+    click.option("--task", "task_names", multiple=True, help="Run only this task of the file (repeatable)."),
+]
+
+
+def _build(f):
+    for opt in reversed(_options):
+        f = opt(f)
+    return f
+
+
+eval_cmd = click.command("eval", cls=_QtkCommand, context_settings={"help_option_names": ["-h", "--help"]})(_build(_eval))
