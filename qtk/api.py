@@ -156,8 +156,9 @@ def convert(
                       "algorithm": stats.records},
             "timings": timings,
         }
-        for w in writers:
+        for t, w in zip(targets, writers):
             w.finish(manifest)
+            w.write_readme(manifest, finals[t])
             _fsync_dir(w.dir)
         timings["write"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - t_start

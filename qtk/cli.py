@@ -26,8 +26,23 @@ def _size(text: str) -> int:
         raise click.BadParameter(f"'{text}' is not a size", param_hint="--max-shard-size (e.g. 5GB, 500MB)") from None
 
 
+# commands that live with their feature; imported only when used, so `qtk --help` stays fast
+LAZY_COMMANDS = {"plan": "qtk.plan.cli:plan", "eval": "qtk.eval.cli:eval_cmd"}
+
+
 class QtkGroup(click.Group):
     """Turns qtk's own errors into one line and their exit code; Ctrl-C into exit 130."""
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
+
+    def get_command(self, ctx, name):
+        if name in LAZY_COMMANDS and name not in self.commands:
+            import importlib
+
+            mod, _, attr = LAZY_COMMANDS[name].partition(":")
+            self.add_command(getattr(importlib.import_module(mod), attr), name)
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx):
         try:

@@ -143,6 +143,10 @@ def test_manifest_records_recipe_calibration_and_versions(converted):
     assert m["versions"]["compressed-tensors"].startswith("0.20")
     assert set(m["stats"]["kv_amax"]) == {"0", "1"}
     assert (d / "tokenizer.json").is_file() and (d / "generation_config.json").is_file()
+    readme = (d / "README.md").read_text()
+    serve = next(line for line in readme.splitlines() if line.startswith("vllm serve"))
+    # the 8-bit KV recipe runs as FP8 KV in vLLM, at the path the checkpoint was renamed to
+    assert "--kv-cache-dtype fp8" in serve and str(d) in serve and "qtk-tmp" not in readme
 
 
 def test_calibration_free_recipe_is_deterministic_and_skips_calibration(tiny_llama, tmp_path):

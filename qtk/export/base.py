@@ -42,6 +42,27 @@ class Writer:
         if gen.is_file():
             shutil.copy2(gen, self.dir / gen.name)
 
+    def write_readme(self, manifest: dict, final: Path, gpu: str = "h100-80g", context: int = 4096, concurrency: int = 8) -> None:
+        """README.md of the output: what it is, what loads it, and the serving flags that keep the KV cache in bounds."""
+        from qtk.plan import serving_section
+
+        r = manifest["recipe"]
+        ctx = min(context, int(self.source.config_dict.get("max_position_embeddings") or context))
+        lines = [
+            f"# {self.source.path.name} — {r['name']} ({self.target})",
+            "",
+            f"Written by qtk {manifest['qtk_version']} from `{self.source.path}` with recipe `{r['name']}`: {r['summary']}.",
+            f"Format: {self.description}. Loads in: {self.loads_in}.",
+            "",
+        ]
+        lines += [f"- note: {n}" for n in self.notes]
+        lines += ["", f"Check it: `qtk inspect {final}` — gate it: `qtk eval {final} --baseline {self.source.path} --tasks tasks.yaml`.",
+                  "", f"The serving plan below assumes {gpu}; run `qtk plan` for your hardware.", "",
+                  serving_section(self.source.config_dict, self.recipe, gpu=gpu, context=ctx, concurrency=concurrency,
+                                  tp=self.options.tp, model_path=str(final),
+                                  trtllm_checkpoint=str(final) if self.target == "trtllm" else "TRTLLM_CHECKPOINT")]
+        (self.dir / "README.md").write_text("\n".join(lines).rstrip() + "\n")
+
     def write_manifest(self, manifest: dict) -> None:
         m = {**manifest, "target": self.target, "notes": self.notes}
         (self.dir / "qtk.json").write_text(json.dumps(m, indent=2, default=str) + "\n")
