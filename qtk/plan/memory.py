@@ -549,7 +549,7 @@ class MemoryPlan:
     fits: bool
     max_concurrency: int
     max_context: int
-    max_context_limited_by: str  # memory | model
+    max_context_limited_by: str  # memory | model (max_position_embeddings) | search (no model limit given)
     kv_bytes: int
 
     @property
@@ -585,7 +585,8 @@ def plan_memory(s: ModelShape, weights: WeightBytes, *, mem_bytes: int, kv_bytes
     if kv_room <= 0:
         max_ctx, limited = 0, "memory"
     elif kv_bytes_per_request(s, model_max, kv_bytes, tp) * concurrency <= kv_room:
-        max_ctx, limited = model_max, "model"
+        # without max_position_embeddings the search stops at 16M tokens: say so rather than call it a limit
+        max_ctx, limited = model_max, "model" if s.max_position else "search"
     else:
         lo, hi = 0, model_max
         while lo < hi:

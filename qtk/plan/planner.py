@@ -116,13 +116,13 @@ class Plan:
         return d
 
 
-def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan) -> list[str]:
-    """Warnings a reader should see next to the numbers."""
+def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan, *, recommended: bool = False) -> list[str]:
+    """Warnings a reader should see next to the numbers (the INT4 one comes from the decision when recommended)."""
     notes = list(s.notes)
     if recipe is not None and (recipe.weights.type == "float" or activation_type(recipe) == "float") and not dep.gpu.fp8:
         notes.append(f"FP8 recipe on {dep.gpu.label}: no FP8 tensor cores ({dep.gpu.generation}); engines fall back "
                      "to slower weight-only kernels or refuse — prefer an INT8 recipe")
-    if recipe is not None and recipe.weights.num_bits < 8:
+    if recipe is not None and recipe.weights.num_bits < 8 and not recommended:
         notes.append(f"INT{recipe.weights.num_bits} weights are risky for math/code workloads: gate the checkpoint with qtk eval")
     if s.max_position and dep.context > s.max_position:
         notes.append(f"context {dep.context} exceeds the model's max_position_embeddings ({s.max_position})")
@@ -154,7 +154,8 @@ def make_plan(s: ModelShape, recipe, dep: Deployment, *, recipe_name: str | None
     conv = conversion_memory(s, recipe)
     name = recipe_name or (recipe.name if recipe is not None else f"none ({w.dtype})")
     serving = serving_commands(s, recipe, m, dep, model_path=model_path)
-    return Plan(s, dep, name, recipe, w, m, tput, c, conv, serving, plan_notes(s, recipe, dep, m), decision)
+    notes = plan_notes(s, recipe, dep, m, recommended=decision is not None)
+    return Plan(s, dep, name, recipe, w, m, tput, c, conv, serving, notes, decision)
 
 
 def gb(n: float) -> str:

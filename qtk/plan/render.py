@@ -92,7 +92,8 @@ def render_plan(console, plan) -> None:
 
     kvd = "8-bit" if m.kv_bytes == 1 else w.dtype
     verdict = "[bold green]fits" if m.fits else "[bold red]does not fit"
-    ctx = f"{m.max_context:,} tokens" + (" (model limit)" if m.max_context_limited_by == "model" else "")
+    ctx = (("≥ " if m.max_context_limited_by == "search" else "") + f"{m.max_context:,} tokens"
+           + (" (model limit)" if m.max_context_limited_by == "model" else ""))
     rows = [
         ("weights", _gb(m.weights)),
         (f"KV cache per token ({kvd})", f"{m.kv_per_token:,} B"),

@@ -96,7 +96,8 @@ def serving_section(config: Mapping | str | Path, recipe=None, gpu="h100-80g", c
         f"| budget ({utilization:g} × {g.mem_bytes / GB:.1f} GB) | {m.budget / GB:.2f} |",
         "",
         f"At {context} tokens at most {m.max_concurrency} requests fit; at {concurrency} requests the longest "
-        f"context is {m.max_context} tokens" + (" (the model's limit)" if m.max_context_limited_by == "model" else "") + ".",
+        f"context is {'at least ' if m.max_context_limited_by == 'search' else ''}{m.max_context} tokens"
+        + (" (the model's limit)" if m.max_context_limited_by == "model" else "") + ".",
         "",
         "vLLM:",
         "",

@@ -34,6 +34,17 @@ def test_plan_a_recipe_on_a_gpu(model_dir):
     assert "trtllm-build" in out and "qtk convert needs" in out
 
 
+def test_fp8_on_an_a100_is_planned_but_warned(model_dir):
+    r = run(model_dir, "--recipe", "fp8", "--gpu", "a100-80g")
+    assert r.exit_code == 0, r.output
+    assert "FP8 recipe on A100 80GB SXM: no FP8 tensor cores" in " ".join(r.output.split())
+
+
+def test_int4_plan_carries_the_math_code_warning(model_dir):
+    r = run(model_dir, "--recipe", "w4a16", "--json")
+    assert any("risky for math/code" in n for n in json.loads(r.output)["notes"])
+
+
 def test_recommend_json_for_pipelines():
     r = run(CONFIGS / "llama-3.2-3b.json", "--gpu", "h100-80g", "--context", 32768, "--recommend", "--json")
     assert r.exit_code == 0, r.output
