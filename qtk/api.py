@@ -235,7 +235,8 @@ def inspect(path: str | Path) -> InspectReport:
         absent = [i for i, s in enumerate(scales) if s is None]
         checks.append(Check("KV scales present for every layer", not absent, f"missing in layers {absent[:8]}" if absent else f"{n_layers} layers"))
         vals = [x for s in scales if s for x in s]
-        all_one = bool(vals) and all(abs(x - 1.0) < 1e-12 for x in vals)
+        # scales floored at 1.0 by the format (TensorRT-LLM FP8 KV, ModelOpt's convention) cannot show calibration
+        all_one = bool(vals) and all(abs(x - 1.0) < 1e-12 for x in vals) and getattr(ck, "kv_scale_floor", None) != 1.0
         nonpos = [x for x in vals if not (x > 0 and x == x and x != float("inf"))]
         checks.append(Check("KV scales calibrated (not all 1.0, finite, positive)", not all_one and not nonpos,
                             "all k/v scales are 1.0: uncalibrated" if all_one else ("non-finite or non-positive scale" if nonpos else "")))

@@ -1,0 +1,208 @@
+"""hf-modelopt target: NVIDIA ModelOpt's unified Hugging Face checkpoint (FORMATS.md §3), and its reader.
+
+Hugging Face tensor names plus hf_quant_config.json and a config.json quantization_config with
+quant_method "modelopt", laid out as ModelOpt's export_hf_checkpoint writes them. TensorRT-LLM's LLM API
+loads it (FP8, W4A16_AWQ), vLLM too (FP8). INT8 SmoothQuant has no such form: it needs --target trtllm.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from qtk.errors import UsageError
+from qtk.export import register_reader, register_writer
+from qtk.export.base import Writer
+from qtk.export.checkpoint import Checkpoint
+from qtk.export.trtllm import AWQ_GROUP_SIZES, pack_int4_pairs, unpack_int4_pairs
+from qtk.quant.qtensor import QTensor
+from qtk.recipe import FP8_MAX, QuantScheme
+
+SCHEMES = {
+    "FP8": (QuantScheme(8, "float", True, "tensor"), QuantScheme(8, "float", True, "tensor")),
+    "W4A16_AWQ": (None, None),  # group size from the config
+}
+
+
+def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
+    """(quant_algo, kv_cache_quant_algo, group_size) of the unified HF checkpoint, or a UsageError naming the fix."""
+    w, a = recipe.weights, recipe.activations
+    where = f"recipe {recipe.name}"
+    if a is not None and not a.is_fp8:
+        raise UsageError(f"{where}: INT8 SmoothQuant (W8A8) has no ModelOpt HF checkpoint form; TensorRT-LLM loads it only "
+                         "from its own checkpoint", "use --target trtllm")
+    if w.is_fp8 and w.strategy == "tensor" and a is not None and not a.dynamic:
+        algo, group = "FP8", None
+    elif (not w.is_fp8 and a is None and w.num_bits == 4 and w.strategy == "group" and w.symmetric
+          and w.group_size in AWQ_GROUP_SIZES and not getattr(getattr(recipe.step("gptq"), "params", None), "actorder", False)):
+        algo, group = "W4A16_AWQ", w.group_size
+    else:
+        raise UsageError(f"{where}: qtk writes hf-modelopt checkpoints for FP8 (per-tensor weights, static activations) and "
+                         f"W4A16_AWQ (symmetric int4, group 64 or 128, no act-order), not {recipe.summary()}",
+                         "use --target trtllm or --target vllm")
+    kv = recipe.kv_cache
+    if kv is not None and not kv.is_fp8:
+        raise UsageError(f"{where}: ModelOpt HF checkpoints carry FP8 KV-cache scales only", "set kv_cache type: float, or use --target trtllm for INT8 KV")
+    return algo, None if kv is None else "FP8", group
+
+
+def _scalar(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)  # ModelOpt writes per-tensor scales as 0-dim tensors
+
+
+@register_writer
+class ModelOptHFWriter(Writer):
+    target = "hf-modelopt"
+    description = "NVIDIA ModelOpt unified Hugging Face checkpoint"
+    loads_in = "TensorRT-LLM LLM API (`trtllm-serve DIR`), vLLM (FP8)"
+
+    @classmethod
+    def check(cls, source, recipe, options):
+        if options.tp != 1 or options.pp != 1:
+            raise UsageError("--tp/--pp shape the trtllm target only; the HF checkpoint is sharded by the engine at load time",
+                             "drop --tp/--pp for --target hf-modelopt")
+        modelopt_quant(recipe)
+        return []
+
+    def __init__(self, directory, source, recipe, options):
+        super().__init__(directory, source, recipe, options)
+        from qtk.export.safetensors_io import ShardedWriter
+
+        self.algo, self.kv_algo, self.group_size = modelopt_quant(recipe)
+        self.shards = ShardedWriter(self.dir, options.max_shard_bytes, len(source.weight_map) * 4 + 2 * source.num_layers + 16)
+        a = source.arch
+        self.exclude: list[str] = [a.lm_head, a.embed]
+        # Linears whose input is no norm output keep an explicit (identity) pre-quant scale, as ModelOpt writes them
+        self.prequant = {n for p in a.smoothing if not p.prev_is_norm for n in p.nexts}
+
+    def add_dense(self, name: str, tensor: torch.Tensor) -> None:
+        self.shards.add(name, tensor)
+
+    def add_layer(self, r) -> None:
+        a, dtype = self.source.arch, self.source.dtype
+        prefix = self.source.layer_prefix(r.index)
+        for mod, qt in r.qweights.items():
+            if self.algo == "FP8":
+                self.shards.add(f"{mod}.weight", qt.values)
+                self.shards.add(f"{mod}.weight_scale", _scalar(float(qt.scale.reshape(()))))
+                amax = r.input_amax[mod]
+                self.shards.add(f"{mod}.input_scale", _scalar(amax / FP8_MAX if amax > 0 else 1.0))
+            else:
+                self.shards.add(f"{mod}.weight", pack_int4_pairs(qt.values).view(torch.uint8))
+                self.shards.add(f"{mod}.weight_scale", qt.scale.to(torch.float32))
+                if mod[len(prefix):] in self.prequant:
+                    self.shards.add(f"{mod}.pre_quant_scale", torch.ones(qt.shape[1], dtype=dtype))
+        for name, t in r.dense.items():
+            self.shards.add(name, t)
+        self.exclude.extend(prefix + lin for lin in a.linears if prefix + lin not in r.qweights)
+        if r.k_amax is not None:
+            # the attention's k/v scales live on k_proj / v_proj in ModelOpt's layout: amax / 448, not clamped
+            tiny = torch.finfo(torch.float32).tiny
+            self.shards.add(f"{prefix}{a.attn}.k_proj.k_scale", _scalar(max(r.k_amax / FP8_MAX, tiny)))
+            self.shards.add(f"{prefix}{a.attn}.v_proj.v_scale", _scalar(max(r.v_amax / FP8_MAX, tiny)))
+
+    def hf_quant_config(self) -> dict:
+        from qtk import __version__
+
+        q = {"quant_algo": self.algo, "kv_cache_quant_algo": self.kv_algo}
+        if self.algo == "W4A16_AWQ":
+            q.update(group_size=self.group_size, has_zero_point=False, pre_quant_scale=True)
+        q["exclude_modules"] = self.exclude
+        return {"producer": {"name": "qtk", "version": __version__}, "quantization": q}
+
+    def quantization_config(self) -> dict:
+        """config.json's quantization_config: ModelOpt's compressed-tensors-like form of hf_quant_config.json."""
+        hq = self.hf_quant_config()
+        q = hq["quantization"]
+        out: dict = {}
+        if self.algo == "FP8":
+            fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+            out["config_groups"] = {"group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}}
+        out["ignore"] = q["exclude_modules"]
+        out["quant_algo"] = self.algo
+        if self.kv_algo:
+            out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        out["producer"] = hq["producer"]
+        out["quant_method"] = "modelopt"
+        return out
+
+    def finish(self, manifest: dict) -> None:
+        self.shards.close()
+        cfg = dict(self.source.config_dict)
+        cfg["quantization_config"] = self.quantization_config()
+        (self.dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (self.dir / "hf_quant_config.json").write_text(json.dumps(self.hf_quant_config(), indent=4) + "\n")
+        self.copy_side_files()
+        self.write_manifest(manifest)
+
+
+@register_reader
+class ModelOptHFCheckpoint(Checkpoint):
+    format = "hf-modelopt"
+
+    @staticmethod
+    def detect(path: Path) -> bool:
+        p = path / "config.json"
+        if not p.is_file():
+            return False
+        try:
+            qc = json.loads(p.read_text()).get("quantization_config") or {}
+        except (json.JSONDecodeError, AttributeError):
+            return False
+        return qc.get("quant_method") == "modelopt"
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        cfg = json.loads((self.path / "config.json").read_text())
+        qc = cfg.pop("quantization_config")
+        self.hf_config = cfg
+        hq_path = self.path / "hf_quant_config.json"
+        q = json.loads(hq_path.read_text()).get("quantization", {}) if hq_path.is_file() else {}
+        self.quant_algo = q.get("quant_algo") or qc.get("quant_algo")
+        self.exclude = list(q.get("exclude_modules") or qc.get("ignore") or [])
+        if self.quant_algo == "FP8":
+            self.weights_scheme, self.activations = SCHEMES["FP8"]
+        elif self.quant_algo == "W4A16_AWQ":
+            self.weights_scheme, self.activations = QuantScheme(4, "int", True, "group", int(q.get("group_size") or 128)), None
+        else:
+            raise UsageError(f"{path}: qtk reads ModelOpt HF checkpoints with quant_algo FP8 or W4A16_AWQ, not {self.quant_algo}",
+                             "inspect it with ModelOpt or TensorRT-LLM")
+        kv = q.get("kv_cache_quant_algo") or ("FP8" if qc.get("kv_cache_scheme") else None)
+        self.kv_cache = "fp8" if kv == "FP8" else None
+        self.dtype = getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+
+    def ignore_patterns(self) -> list[str]:
+        return list(self.exclude)
+
+    def modules(self) -> list[str]:
+        return sorted(n[: -len(".weight_scale")] for n in self.tensor_names() if n.endswith(".weight_scale"))
+
+    def qtensor(self, module: str) -> QTensor:
+        s = self.weights_scheme
+        scale = self.tensor(f"{module}.weight_scale").float()
+        if self.quant_algo == "FP8":
+            return QTensor(self.tensor(f"{module}.weight"), scale.reshape(1), s, None, None, self.dtype)
+        pq = f"{module}.pre_quant_scale"
+        if self.has(pq) and not bool((self.tensor(pq) == 1).all()):
+            raise UsageError(f"{module}: pre_quant_scale is not all ones (AWQ scales kept outside the weights)",
+                             "qtk simulates checkpoints whose smoothing is folded into the weights, as qtk writes them")
+        return QTensor(unpack_int4_pairs(self.tensor(f"{module}.weight")), scale, s, None, None, self.dtype)
+
+    def input_scale(self, module: str) -> torch.Tensor | None:
+        n = f"{module}.input_scale"
+        return self.tensor(n).float().reshape(1) if self.has(n) else None
+
+    def kv_scales(self, layer: int) -> tuple[float, float] | None:
+        base = f"model.layers.{layer}.self_attn"
+        k, v = f"{base}.k_proj.k_scale", f"{base}.v_proj.v_scale"
+        if not (self.has(k) and self.has(v)):
+            return None
+        return float(self.tensor(k).reshape(-1)[0]), float(self.tensor(v).reshape(-1)[0])
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        quant_suffixes = (".weight_scale", ".input_scale", ".pre_quant_scale", ".k_scale", ".v_scale")
+        qmods = set(self.modules())
+        return {n: self.tensor(n) for n in self.tensor_names()
+                if not n.endswith(quant_suffixes) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)}
