@@ -16,7 +16,7 @@ from qtk.errors import UsageError
 WRITERS: dict[str, type] = {}
 READERS: dict[str, type] = {}
 # modules that register writers/readers; imported lazily so `import qtk` stays light
-_MODULES = ("qtk.export.vllm", "qtk.export.trtllm", "qtk.export.modelopt")
+_MODULES = ("qtk.export.vllm", "qtk.export.gptq", "qtk.export.awq", "qtk.export.trtllm", "qtk.export.modelopt")
 
 
 def register_writer(cls):
