@@ -196,6 +196,12 @@ def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: st
     if batch_size < 1 or bootstrap < 0 or (limit is not None and limit < 1):
         raise UsageError(f"--batch-size must be >= 1, --bootstrap >= 0 and --limit >= 1 (got {batch_size}, {bootstrap}, {limit})",
                          "use e.g. --batch-size 16 --bootstrap 2000")
+    if engine == "vllm":
+        from qtk.eval.engines import vllm_available
+
+        ok, why = vllm_available()
+        if not ok:
+            raise UsageError(f"the vllm engine cannot run here: {why}", "use --engine hf (the default) to simulate the engine")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"unknown dtype '{dtype}'", "choose float32, bfloat16 or float16")
     tf = load_task_file(tasks_file)

@@ -118,8 +118,8 @@ class HFEngine:
 
     def close(self) -> None:
         del self.model
-        gc.collect()
-        if self.device.startswith("cuda"):
+        if self.device.startswith("cuda"):  # give the memory back before the next model loads
+            gc.collect()
             torch.cuda.empty_cache()
 
     # ---- batching
@@ -128,6 +128,16 @@ class HFEngine:
         order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
         for s in range(0, len(order), self.batch_size):
             yield order[s: s + self.batch_size]
+
+    def _equal_length_batches(self, lengths: list[int]):
+        """Batches of prompts of one length: no padding, so a generated text does not depend on its batch-mates."""
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            groups.setdefault(n, []).append(i)
+        for n in sorted(groups, reverse=True):
+            g = groups[n]
+            for s in range(0, len(g), self.batch_size):
+                yield g[s: s + self.batch_size]
 
     def _forward(self, rows: list[list[int]]) -> torch.Tensor:
         """Right-padded batch -> log-probs [B, T, V] in float32."""
@@ -207,9 +217,11 @@ class HFEngine:
 
         out = [""] * len(prompts)
         eos = self.tokenizer.eos_token_id
+        # explicit, so the model directory's generation_config.json (sampling defaults) cannot differ between the two;
+        # stop strings end a batch early once every row has produced one (the text is cut at them below either way)
         gc_ = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=self.pad_id,
                                eos_token_id=eos, bos_token_id=self.tokenizer.bos_token_id)
-        for idx in self._batches([len(p) for p in prompts]):
+        for idx in self._equal_length_batches([len(p) for p in prompts]):
             rows = [prompts[i][-(self.max_len - max_new_tokens):] for i in idx]
             T = max(len(r) for r in rows)
             ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
@@ -219,11 +231,24 @@ class HFEngine:
                 mask[b, T - len(r):] = 1
             with torch.inference_mode():
                 gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                          generation_config=gc_)
+                                          generation_config=gc_, stopping_criteria=_stop_on(self.tokenizer, stop, T))
             for b, i in enumerate(idx):
                 text = self.tokenizer.decode(gen[b, T:].tolist(), skip_special_tokens=True)
                 out[i] = cut_at_stop(text, stop)
         return out
+
+
+def _stop_on(tokenizer, stop: tuple[str, ...], start: int):
+    """A stopping criterion that marks a row finished once its generated text contains a stop string
+    (transformers' own stop_strings criterion cannot handle every tokenizer)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopOnStrings(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            texts = tokenizer.batch_decode(input_ids[:, start:].tolist(), skip_special_tokens=True)
+            return torch.tensor([any(s in t for s in stop) for t in texts], device=input_ids.device)
+
+    return StoppingCriteriaList([StopOnStrings()] if stop else [])
 
 
 def vllm_available() -> tuple[bool, str]:
