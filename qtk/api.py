@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from qtk.errors import UsageError
+from qtk.errors import QtkError, UsageError
+
+
+class Interrupted(QtkError):
+    """Ctrl-C during a resumable run: state kept, exit 130."""
+
+    exit_code = 130
 from qtk.recipe import Recipe, load_recipe
 
 
@@ -64,6 +70,7 @@ def convert(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     hash_source: bool = True,
+    resume: bool = False,
     on_stage: Callable[[str], None] | None = None,
     on_layer: Callable[[int, int], None] | None = None,
 ) -> ConvertResult:
@@ -130,6 +137,17 @@ def convert(
     except OSError as e:
         raise UsageError(f"cannot write to {out} ({e.strerror})", "choose a writable output directory with -o") from None
 
+    state = None
+    if resume:
+        from qtk.resume import ResumeState, run_key
+
+        files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in source.files}
+        key = run_key(recipe=r.text, source=str(source.path.resolve()), files=files, calibration=calib_info,
+                      targets=targets, options=options, batch_size=batch_size, version=__version__)
+        state = ResumeState(out, key)
+        if state.completed:
+            stage(f"resuming after layer {state.completed}")
+
     try:
         writers = [writer_classes[t](tmps[t], source, r, options) for t in targets]
         if hash_source:
@@ -140,7 +158,7 @@ def convert(
         else:
             hashes = {}
         stage("quantizing layers")
-        stats = run(source, r, ids, writers, batch_size=batch_size, on_layer=on_layer)
+        stats = run(source, r, ids, writers, batch_size=batch_size, on_layer=on_layer, resume=state)
         timings.update(stats.timings)
         stage("writing")
         t0 = time.perf_counter()
@@ -173,14 +191,21 @@ def convert(
                 shutil.rmtree(trash, ignore_errors=True)
             else:
                 os.replace(tmps[t], final)
-    except BaseException:
+    except BaseException as e:
         for d in tmps.values():
             shutil.rmtree(d, ignore_errors=True)
+        if state is not None:  # keep the per-layer state: `--resume` continues from it
+            if isinstance(e, KeyboardInterrupt):
+                raise Interrupted(f"interrupted after {state.completed} of {source.num_layers} layers; partial state kept in {state.dir}",
+                                  "rerun the same command with --resume to continue") from None
+            raise
         try:
             out.rmdir()  # only if we created it and it is empty
         except OSError:
             pass
         raise
+    if state is not None:
+        state.discard()
     del torch
     return ConvertResult(outputs=finals, notes={w.target: w.notes for w in writers}, timings=timings, manifest=manifest)
 

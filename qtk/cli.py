@@ -45,6 +45,12 @@ class QtkGroup(click.Group):
         return super().get_command(ctx, name)
 
     def invoke(self, ctx):
+        import signal
+
+        def on_term(signum, frame):  # `kill` cleans up like Ctrl-C instead of leaving temp dirs behind
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, on_term)
         try:
             return super().invoke(ctx)
         except QtkError as e:
@@ -92,8 +98,9 @@ def _console():
 @click.option("--allow-pickle", is_flag=True, help="Allow loading pickle (*.bin) weights. Only for sources you trust.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom model code from the model directory.")
 @click.option("--no-hash", is_flag=True, help="Skip hashing the source files for the manifest.")
+@click.option("--resume", is_flag=True, help="Save per-layer state in OUT/.qtk-resume and continue an interrupted run of the same command from its last finished layer.")
 def convert(model, recipe, out, targets, calib, text_field, num_samples, seq_len, seed, overwrite, tp, pp,
-            max_shard_size, batch_size, allow_pickle, trust_remote_code, no_hash):
+            max_shard_size, batch_size, allow_pickle, trust_remote_code, no_hash, resume):
     """Quantize MODEL (a local Hugging Face directory) with a recipe into engine-ready checkpoints."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -113,7 +120,8 @@ def convert(model, recipe, out, targets, calib, text_field, num_samples, seq_len
         res = api.convert(model, recipe, out, targets=targets, calib=calib, text_field=text_field, num_samples=num_samples,
                           seq_len=seq_len, seed=seed, overwrite=overwrite, tp=tp, pp=pp,
                           max_shard_bytes=_size(max_shard_size), batch_size=batch_size, allow_pickle=allow_pickle,
-                          trust_remote_code=trust_remote_code, hash_source=not no_hash, on_stage=on_stage, on_layer=on_layer)
+                          trust_remote_code=trust_remote_code, hash_source=not no_hash, resume=resume,
+                          on_stage=on_stage, on_layer=on_layer)
     for t, path in res.outputs.items():
         click.echo(f"wrote {t}: {path}")
         for n in res.notes.get(t, []):

@@ -203,8 +203,10 @@ class PipelineStats:
 
 
 def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, batch_size: int = 8,
-        on_layer: Callable[[int, int], None] | None = None) -> PipelineStats:
-    """Stream the model through the recipe into every sink (writer): dense tensors, then layer by layer."""
+        on_layer: Callable[[int, int], None] | None = None, resume=None) -> PipelineStats:
+    """Stream the model through the recipe into every sink (writer): dense tensors, then layer by layer.
+
+    resume: a qtk.resume.ResumeState; completed layers are replayed from it and each new one saved to it."""
     stats = PipelineStats()
     t0 = time.perf_counter()
     skeleton = source.skeleton()
@@ -220,8 +222,20 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     stats.timings["capture"] = time.perf_counter() - t0
 
     n = source.num_layers
+    start = 0
+    if resume is not None and resume.completed:
+        start = min(resume.completed, n)
+        for i in range(start):  # replay finished layers into fresh writers
+            r = resume.load_layer(i)
+            for s in sinks:
+                s.add_layer(r)
+            stats.record(r)
+            if on_layer:
+                on_layer(i + 1, n)
+        if batches is not None and start < n:
+            batches = [(h, kw) for h, (_, kw) in zip(resume.load_hidden(), batches)]
     t_layers = time.perf_counter()
-    for i in range(n):
+    for i in range(start, n):
         targets = target_linears(source, recipe, i)
         layer = source.layer(skeleton, i)
         result, batches = process_layer(source, recipe, i, layer, batches, targets)
@@ -229,6 +243,8 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
         for s in sinks:
             s.add_layer(result)
         stats.record(result)
+        if resume is not None:
+            resume.save_layer(result, None if batches is None else [h for h, _ in batches])
         del result
         if on_layer:
             on_layer(i + 1, n)
