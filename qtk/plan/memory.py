@@ -248,7 +248,8 @@ def estimate_vision_params(v: Mapping, text_hidden: int) -> int:
     gated = str(v.get("hidden_act", "")).lower() in ("silu", "swiglu")
     block = 4 * h * h + 4 * h + (3 if gated else 2) * h * inter + (2 if gated else 1) * inter + h + 2 * h
     patch = int(v.get("patch_size") or 14)
-    patch_embed = h * int(v.get("in_channels") or v.get("num_channels") or 3) * patch * patch * int(v.get("temporal_patch_size") or 1)
+    channels = int(v.get("in_channels") or v.get("num_channels") or 3)
+    patch_embed = h * channels * patch * patch * int(v.get("temporal_patch_size") or 1)
     merge = int(v.get("spatial_merge_size") or 1)
     out = int(v.get("out_hidden_size") or text_hidden or h)
     m = h * merge * merge

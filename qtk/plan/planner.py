@@ -9,8 +9,18 @@ from qtk.errors import UsageError
 from qtk.plan.cost import Cost, Throughput, cost, throughput
 from qtk.plan.hardware import GB, GPU, tp_efficiency
 from qtk.plan.memory import (
-    DEFAULT_BATCHED_TOKENS, DEFAULT_OVERHEAD_BYTES, DEFAULT_UTILIZATION, ConversionMemory, MemoryPlan, ModelShape,
-    WeightBytes, conversion_memory, kv_bytes_of, normalize_dtype, plan_memory, weight_bytes,
+    DEFAULT_BATCHED_TOKENS,
+    DEFAULT_OVERHEAD_BYTES,
+    DEFAULT_UTILIZATION,
+    ConversionMemory,
+    MemoryPlan,
+    ModelShape,
+    WeightBytes,
+    conversion_memory,
+    kv_bytes_of,
+    normalize_dtype,
+    plan_memory,
+    weight_bytes,
 )
 
 
@@ -133,8 +143,8 @@ def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan, *, recomme
     if s.is_mla:
         notes.append("MLA: the cache holds one latent (kv_lora_rank + rope dims) per token per layer, replicated across tp ranks")
     if any(s.windows):
-        n = sum(1 for w in s.windows if w)
-        notes.append(f"{n} of {s.layers} layers use a sliding window of {max(w for w in s.windows if w)} tokens: their KV is capped")
+        sliding = [w for w in s.windows if w]
+        notes.append(f"{len(sliding)} of {s.layers} layers use a sliding window of {max(sliding)} tokens: their KV is capped")
     if dep.tp > 1 and not s.is_mla and s.kv_heads < dep.tp:
         notes.append(f"{s.kv_heads} KV heads on {dep.tp} GPUs: each GPU holds a replicated copy of one KV head")
     if not m.fits and m.max_concurrency:

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from plan_helpers import CONFIGS
+
 from qtk.plan.memory import ModelShape, checkpoint_tensors, read_config, weight_bytes
 from qtk.recipe import builtin_recipes, load_recipe
 
@@ -31,10 +31,11 @@ def read_checkpoint(d):
             n = struct.unpack("<Q", fh.read(8))[0]
             header = json.loads(fh.read(n))
         header_bytes += 8 + n
-        for k, v in header.items():
-            if k != "__metadata__":
-                tensors[k] = (tuple(v["shape"]), v["dtype"], v["data_offsets"][1] - v["data_offsets"][0])
-        assert f.stat().st_size == 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        for k, v in entries.items():
+            tensors[k] = (tuple(v["shape"]), v["dtype"], v["data_offsets"][1] - v["data_offsets"][0])
+        # nothing but header and tensor data in the file
+        assert f.stat().st_size == 8 + n + max((v["data_offsets"][1] for v in entries.values()), default=0)
     return tensors, header_bytes
 
 

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-
 from plan_helpers import CONFIGS
+
 from qtk.errors import CheckFailed, UsageError
 from qtk.plan.cli import plan
 

@@ -3,8 +3,8 @@
 import math
 
 import pytest
-
 from plan_helpers import shape
+
 from qtk.errors import UsageError
 from qtk.plan.cost import HOURS_PER_MONTH, MBU, MFU, active_params, cost
 from qtk.plan.hardware import GPUS, get_gpu, tp_efficiency

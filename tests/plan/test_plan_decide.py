@@ -1,8 +1,8 @@
 """The --recommend decision tree: three deployments, the nothing-fits case, and the ordering rules."""
 
 import pytest
-
 from plan_helpers import shape
+
 from qtk.errors import UsageError
 from qtk.plan.decide import RecipeClass, recommend, shipped_recipes
 from qtk.plan.hardware import get_gpu

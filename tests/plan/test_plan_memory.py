@@ -5,12 +5,21 @@ import json
 import math
 
 import pytest
-
 from plan_helpers import CONFIGS, config, meta_model, shape
+
 from qtk.errors import UsageError
 from qtk.plan.memory import (
-    DTYPE_BYTES, ModelShape, checkpoint_tensors, conversion_memory, kv_bytes_of, kv_bytes_per_request,
-    kv_bytes_per_token, model_tensors, plan_memory, read_config, weight_bytes,
+    DTYPE_BYTES,
+    ModelShape,
+    checkpoint_tensors,
+    conversion_memory,
+    kv_bytes_of,
+    kv_bytes_per_request,
+    kv_bytes_per_token,
+    model_tensors,
+    plan_memory,
+    read_config,
+    weight_bytes,
 )
 from qtk.recipe import builtin_recipes, load_recipe, parse_recipe
 

@@ -3,6 +3,7 @@
 import math
 
 from plan_helpers import CONFIGS, config
+
 from qtk.plan.hardware import get_gpu
 from qtk.plan.memory import ModelShape
 from qtk.plan.planner import Deployment, evaluate
