@@ -161,14 +161,10 @@ def engine_settings(engine: str, device: str | None, dtype: str, batch_size: int
         s = {"engine": "hf", "device": dev.split(":")[0], "dtype": dtype, "batch_size": batch_size,
              "torch": torch.__version__.split("+")[0], "transformers": md.version("transformers")}
     else:
-        s = {"engine": "vllm", "vllm": md.version("vllm") if _installed("vllm") else None}
+        import vllm
+
+        s = {"engine": "vllm", "vllm": getattr(vllm, "__version__", None)}
     return {**s, "kl_topk": topk, "qtk": __version__}
-
-
-def _installed(pkg: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(pkg) is not None
 
 
 def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: str | Path, *, engine: str = "hf",

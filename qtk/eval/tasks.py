@@ -293,15 +293,18 @@ def _read_dataset(spec: TaskSpec, split: str) -> list[dict]:
 def _lm_eval_rows(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
     """Examples of an lm-evaluation-harness task, converted to qtk's fields (and its few-shot pool)."""
     try:
-        from lm_eval.tasks import TaskManager
+        from lm_eval.tasks import TaskManager, get_task_dict
     except ImportError:
         raise UsageError(f"task '{spec.name}' uses lm_eval: {spec.lm_eval}, but lm-evaluation-harness is not installed",
                          "pip install 'qtk[eval]' (or lm-eval), or describe the task with data:/dataset: instead") from None
     try:
-        task = TaskManager().load_task_or_group([spec.lm_eval])[spec.lm_eval]
+        task = get_task_dict([spec.lm_eval], TaskManager())[spec.lm_eval]
     except Exception as e:
         raise UsageError(f"task '{spec.name}': lm-eval cannot load '{spec.lm_eval}' ({e.__class__.__name__}: {str(e)[:200]})",
                          "check the task name with `lm-eval --tasks list`") from None
+    if isinstance(task, dict):
+        raise UsageError(f"task '{spec.name}': '{spec.lm_eval}' is an lm-eval group of {len(task)} tasks",
+                         "list its member tasks one by one in the task file")
     kind = {"multiple_choice": "multiple_choice", "generate_until": "generate", "loglikelihood_rolling": "perplexity"}.get(task.OUTPUT_TYPE)
     if kind != spec.type:
         raise UsageError(f"task '{spec.name}': lm-eval task '{spec.lm_eval}' is {task.OUTPUT_TYPE}, not {spec.type}",
