@@ -181,7 +181,8 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
     wdesc = "FP8" if best.recipe.weights.type == "float" else f"INT{k.weight_bits}"
     best.reason = (f"{wdesc} weights{' + 8-bit KV cache' if k.kv8 else ''} fit with {_pct(best.memory.headroom_fraction)} "
                    f"headroom ({best.memory.needed / GB:.1f} of {best.memory.budget / GB:.1f} GB per GPU); "
-                   f"the unquantized model {'also fits' if base.fits else 'does not fit'}")
+                   + (f"the unquantized model also fits ({_pct(base.headroom_fraction)} headroom)" if base.fits
+                      else "the unquantized model does not fit"))
     for c in ok[1:]:
         c.status = "passed"
         if c.klass.weight_bits < k.weight_bits:
