@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from qtk.errors import QtkError, UsageError
+from qtk.errors import CheckFailed, QtkError, UsageError
 
 
 class Interrupted(QtkError):
@@ -83,6 +83,7 @@ def convert(
 
     from qtk import __version__
     from qtk.calib import calibration_ids, ids_hash, load_texts
+    from qtk.checks import PostChecks
     from qtk.export import ExportOptions, writer_for
     from qtk.model.source import ModelSource
     from qtk.pipeline import run
@@ -158,8 +159,13 @@ def convert(
         else:
             hashes = {}
         stage("quantizing layers")
-        stats = run(source, r, ids, writers, batch_size=batch_size, on_layer=on_layer, resume=state)
+        checks = PostChecks(source, r)
+        stats = run(source, r, ids, [*writers, checks], batch_size=batch_size, on_layer=on_layer, resume=state)
         timings.update(stats.timings)
+        failures = checks.finish()
+        if failures:
+            raise CheckFailed(f"post-conversion check failed: {'; '.join(failures[:3])}",
+                              "nothing was written; report this with the model config and recipe")
         stage("writing")
         t0 = time.perf_counter()
         manifest = {

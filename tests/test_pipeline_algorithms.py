@@ -73,3 +73,24 @@ def test_smoothquant_is_folded_into_the_stored_norms(tiny_llama, setup):
     scales = man["stats"]["algorithm"]["0"]["smoothquant"]
     # GQA (2 KV heads of 4): v_proj -> o_proj does not chain, so three pairs are smoothed
     assert set(scales) == {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"}
+
+
+def test_post_conversion_checks_refuse_a_broken_quantizer(tiny_llama, tmp_path, monkeypatch):
+    """A quantizer bug that collapses weights is caught at the end of convert: exit 1, nothing written."""
+    from qtk import calibrate
+    from qtk.errors import CheckFailed
+    from qtk.quant.qtensor import QTensor
+
+    real = calibrate.rtn_weights
+
+    def broken(weights, recipe, arch, dtype):
+        out = real(weights, recipe, arch, dtype)
+        qt = out["mlp.down_proj"]
+        out["mlp.down_proj"] = QTensor(torch.zeros_like(qt.values), qt.scale, qt.scheme, qt.zero_point, None, qt.dtype)
+        return out
+
+    monkeypatch.setattr(calibrate, "rtn_weights", broken)
+    with pytest.raises(CheckFailed) as e:
+        api.convert(tiny_llama, "w8a16", tmp_path / "o", hash_source=False)
+    assert e.value.exit_code == 1 and "mlp.down_proj" in str(e.value) and "collapsed" in str(e.value)
+    assert not (tmp_path / "o").exists()
