@@ -292,7 +292,8 @@ def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: st
     verdicts = []
     for i, p in enumerate(prepared):
         b, c = base_runs[p.spec.name], cand_runs[p.spec.name]
-        v = judge_task(p.spec, b.per_example, c.per_example, strict=strict, n_boot=bootstrap, seed=p.spec.seed + i)
+        v = judge_task(p.spec, b.per_example, c.per_example, strict=strict, n_boot=bootstrap,
+                       seed=(p.spec.seed if seed is None else seed) + i)
         v.baseline_cached = p.spec.name in cached
         if p.spec.type == "generate":
             same = sum(x == y for x, y in zip(b.predictions, c.predictions))
@@ -306,7 +307,7 @@ def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: st
     agree = None
     if ppl:
         agree = agreement_stats([r for n in ppl for r in base_runs[n].rows], [r for n in ppl for r in cand_runs[n].rows],
-                                tf.agreement, n_boot=bootstrap, seed=seed or 0)
+                                tf.agreement, n_boot=bootstrap, seed=tf.tasks[0].seed if seed is None else seed)
 
     failures = [f"{v.name}: {v.reason}" for v in verdicts if v.status == "fail"]
     if agree is not None and agree.status == "fail":
@@ -338,7 +339,7 @@ def _make_engine(engine: str, path: Path, ckpt, kw: dict):
     if engine == "vllm":
         if ckpt is not None and ckpt.format != "vllm":
             raise UsageError(f"vLLM cannot load a {ckpt.format} checkpoint", "use --engine hf for this checkpoint")
-        return VLLMEngine(path, kv_cache=ckpt.kv_cache if ckpt is not None else None, batch_size=kw["batch_size"])
+        return VLLMEngine(path, kv_cache=ckpt.kv_cache if ckpt is not None else None)
     if ckpt is None:
         return HFEngine.baseline(path, **{k: v for k, v in kw.items() if k != "tokenizer"})
     tok = kw.pop("tokenizer")

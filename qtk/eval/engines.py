@@ -110,12 +110,6 @@ class HFEngine:
                                       dtype=getattr(torch, kw.get("dtype", "float32")))
         return cls(model, tokenizer, **kw)
 
-    def settings(self) -> dict:
-        import transformers
-
-        return {"engine": self.name, "device": self.device.split(":")[0], "dtype": self.dtype, "batch_size": self.batch_size,
-                "torch": torch.__version__.split("+")[0], "transformers": transformers.__version__}
-
     def close(self) -> None:
         del self.model
         if self.device.startswith("cuda"):  # give the memory back before the next model loads
@@ -269,8 +263,8 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, path: str | Path, *, kv_cache: str | None = None, batch_size: int = 16, max_logprobs: int = 20,
-                 gpu_memory_utilization: float = 0.45, **_):
+    def __init__(self, path: str | Path, *, kv_cache: str | None = None, max_logprobs: int = 20,
+                 gpu_memory_utilization: float = 0.45):
         ok, why = vllm_available()
         if not ok:
             raise UsageError(f"the vllm engine cannot run here: {why}", "use --engine hf (the default) to simulate the engine")
@@ -280,17 +274,11 @@ class VLLMEngine:
             raise UsageError(f"vLLM cannot run a {kv_cache} KV cache with checkpoint scales", "use --engine hf for this checkpoint")
         self.path = Path(path)
         self.kv_cache = kv_cache
-        self.batch_size = batch_size
         self.max_logprobs = max_logprobs
         self.llm = LLM(model=str(path), kv_cache_dtype="fp8" if kv_cache == "fp8" else "auto", seed=0,
                        gpu_memory_utilization=gpu_memory_utilization, max_logprobs=max_logprobs, enable_prefix_caching=False)
         self.tokenizer = load_tokenizer(self.path)
         self.vocab = int(json.loads((self.path / "config.json").read_text())["vocab_size"])
-
-    def settings(self) -> dict:
-        import vllm
-
-        return {"engine": self.name, "kv_cache": self.kv_cache or "auto", "vllm": vllm.__version__}
 
     def close(self) -> None:
         del self.llm
