@@ -125,6 +125,7 @@ class GPTQWriter(Writer):
         self.v1_qzeros: list[str] = []  # qzeros already written in v1: rewritten if the checkpoint turns v2
         self.desc_act = False
         self.ignored: list[str] = []
+        self.quantized: list[str] = []
         self.fp16 = FP16Scales(self.target)
         n_expected = len(source.weight_map) * 4 + 16
         self.shards = ShardedWriter(self.dir, options.max_shard_bytes, n_expected)
@@ -147,6 +148,7 @@ class GPTQWriter(Writer):
                 self.shards.add(f"{mod}.{k}", t)
         for name, t in r.dense.items():  # norms, biases (X.bias), ignored Linears
             self.shards.add(name, t)
+        self.quantized.extend(r.qweights)
         self.ignored.extend(ignored_layer_linears(self.source, r))
 
     def encode(self, mod: str, qt: QTensor) -> dict[str, torch.Tensor]:
@@ -217,8 +219,11 @@ class GPTQWriter(Writer):
             "pack_dtype": "int32",
             "meta": {"quantizer": [f"qtk:{__version__}"], "qtk_recipe": r.name, "qtk_algorithm": list(r.step_names)},
         }
-        if self.ignored:  # GPTQModel / vLLM `dynamic`: "-:" rules exclude modules (matched with re.match)
+        if self.ignored:
+            # GPTQModel and vLLM: `dynamic` "-:" rules exclude modules (re.match on the module name);
+            # optimum (transformers) and vLLM: the quantized modules, matched as name suffix / substring
             cfg["dynamic"] = {f"-:^{re.escape(m)}$": {} for m in sorted(set(self.ignored))}
+            cfg["modules_in_block_to_quantize"] = [sorted(self.quantized)]
         return cfg
 
     def finish(self, manifest: dict) -> None:

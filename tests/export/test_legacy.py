@@ -227,8 +227,8 @@ def test_notes_and_manifest(converted):
 def test_transformers_reads_the_configs(converted):
     from transformers import AutoConfig, AwqConfig, GPTQConfig
 
-    g = GPTQConfig.from_dict(AutoConfig.from_pretrained(str(converted["asym"]["gptq"])).quantization_config)
-    assert (g.bits, g.group_size, g.sym, g.desc_act, g.format) == (4, 64, False, False, "gptq")
+    g = GPTQConfig.from_dict(AutoConfig.from_pretrained(str(converted["w4a16"]["gptq"])).quantization_config)
+    assert (g.bits, g.group_size, g.sym, g.desc_act, g.format) == (4, 128, True, False, "gptq")
     a = AwqConfig.from_dict(AutoConfig.from_pretrained(str(converted["asym"]["awq"])).quantization_config)
     assert (a.bits, a.group_size, a.zero_point, a.format) == (4, 64, True, "gemm")
     assert a.modules_to_not_convert == ["lm_head", "model.layers.1.mlp.down_proj"]
@@ -243,6 +243,9 @@ def test_ignored_modules_declared(converted):
     assert [p for p in qc["dynamic"]][0].startswith("-:") and len(rules) == 1
     names = [f"model.layers.{i}.{m}" for i in range(12) for m in ("mlp.down_proj", "mlp.up_proj")]
     assert [n for n in names if re.match(rules[0], n)] == ["model.layers.1.mlp.down_proj"]
+    # optimum (transformers) keeps only the modules whose names end with one of these
+    kept = qc["modules_in_block_to_quantize"][0]
+    assert len(kept) == 13 and "model.layers.1.mlp.down_proj" not in kept and "model.layers.0.mlp.down_proj" in kept
     from qtk.pipeline import matches
 
     for target in ("gptq", "awq"):
@@ -350,3 +353,75 @@ def test_act_order_and_v2_switch(tiny_llama, tmp_path):
     with pytest.raises(UsageError, match="g_idx"):
         awq.add_layer(results[0])
     awq.shards.close()
+
+
+# ---- gptq_v2 through a real convert ----
+
+@pytest.fixture(scope="module")
+def positive_group_model(tmp_path_factory):
+    """The tiny Llama with one all-positive weight group in layer 1's down_proj: its asymmetric zero point is
+    qmin (unsigned 0), which GPTQ v1 cannot store."""
+    from models import make_tiny_model
+    from safetensors.torch import load_file, save_file
+
+    d = make_tiny_model(tmp_path_factory.mktemp("pos") / "m", hidden=128, intermediate=256, seed=3)
+    t = load_file(str(d / "model.safetensors"))
+    t["model.layers.1.mlp.down_proj.weight"][:3, :64] = t["model.layers.1.mlp.down_proj.weight"][:3, :64].abs()
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+@pytest.fixture(scope="module")
+def converted_v2(positive_group_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("v2")
+    recipe = [line if not line.startswith("ignore:") else "ignore: [lm_head]" for line in ASYM_G64.splitlines()]
+    (root / "r.yaml").write_text("\n".join(recipe) + "\n")
+    code, output = cli("convert", positive_group_model, "--recipe", root / "r.yaml", "-o", root / "out", "--no-hash",
+                       "--target", "vllm", "--target", "gptq", "--target", "awq")
+    assert code == 0, output
+    return {t: root / "out" / t for t in ("vllm", "gptq", "awq")} | {"output": output}
+
+
+def test_convert_switches_to_v2_and_rewrites_earlier_qzeros(converted_v2):
+    d, v = converted_v2["gptq"], open_checkpoint(converted_v2["vllm"])
+    assert json.loads((d / "config.json").read_text())["quantization_config"]["checkpoint_format"] == "gptq_v2"
+    assert "gptq_v2" in converted_v2["output"]
+    assert (v.qtensor("model.layers.1.mlp.down_proj").zero_point == -8).any()
+    for m in v.modules():  # layer 0's qzeros were written in v1 before the switch, then rewritten
+        assert torch.equal(gptq_dequant(d, m, 4, v1=False), vllm_reference(v, m)), m
+        assert torch.equal(awq_dequant(converted_v2["awq"], m, 64), vllm_reference(v, m)), m
+
+
+# ---- a real client: GPTQModel's kernels, loaded through transformers ----
+
+def _client_weight(mod) -> torch.Tensor:
+    """The dequantized [out, in] weight a GPTQModel kernel module computes with."""
+    if hasattr(mod, "awq_weight_dequantize"):
+        w = mod.awq_weight_dequantize(torch.device("cpu"), torch.float16)
+    else:
+        w = mod.dequantize_weight()
+    return w.float().t()
+
+
+@pytest.mark.parametrize("case", ["w4a16/gptq", "w4a16/awq", "asym/gptq", "asym/awq", "w8a16/gptq", "v2/gptq"])
+def test_gptqmodel_loads_through_transformers(converted, converted_v2, case):
+    pytest.importorskip("gptqmodel", reason="GPTQModel is not installed (7.6 works with torch 2.13 / transformers 5.24 "
+                                            "but must be built from its sdist; qtk does not install it)")
+    from transformers import AutoModelForCausalLM
+
+    from qtk.model.simulate import engine_weight
+
+    label, target = case.split("/")
+    if target == "gptq":
+        pytest.importorskip("optimum", reason="transformers loads GPTQ checkpoints through optimum")
+    d = (converted_v2 if label == "v2" else converted[label])[target]
+    ck = open_checkpoint(d)
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, device_map="cpu").eval()
+    for m in ck.modules():  # before any forward: some kernels repack their buffers on first use
+        assert torch.equal(_client_weight(model.get_submodule(m)), engine_weight(ck.qtensor(m))), m
+    ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = model(ids).logits
+        b = build_simulated_model(ck).eval()(ids).logits
+    # the kernels round activations to fp16; the weights themselves were compared exactly above
+    assert (a - b).abs().max() < 0.1
