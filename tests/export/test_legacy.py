@@ -377,8 +377,9 @@ def converted_v2(positive_group_model, tmp_path_factory):
     recipe = [line if not line.startswith("ignore:") else "ignore: [lm_head]" for line in ASYM_G64.splitlines()]
     (root / "r.yaml").write_text("\n".join(recipe) + "\n")
     code, output = cli("convert", positive_group_model, "--recipe", root / "r.yaml", "-o", root / "out", "--no-hash",
-                       "--target", "vllm", "--target", "gptq", "--target", "awq")
+                       "--target", "vllm", "--target", "gptq", "--target", "awq", "--max-shard-size", "50KB")
     assert code == 0, output
+    assert len(list((root / "out" / "gptq").glob("model-*-of-*.safetensors"))) > 2  # the rewrite finds qzeros in any shard
     return {t: root / "out" / t for t in ("vllm", "gptq", "awq")} | {"output": output}
 
 
@@ -392,6 +393,41 @@ def test_convert_switches_to_v2_and_rewrites_earlier_qzeros(converted_v2):
         assert torch.equal(awq_dequant(converted_v2["awq"], m, 64), vllm_reference(v, m)), m
 
 
+@pytest.fixture(scope="module")
+def converted_act(tiny_llama, calib_file, tmp_path_factory):
+    """GPTQ with act-order and dynamic groups (the QTensors carry g_idx), to the gptq target."""
+    root = tmp_path_factory.mktemp("act")
+    r = root / "act.yaml"
+    r.write_text("name: act\nweights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}\n"
+                 "algorithm: [{gptq: {actorder: true}}]\n")
+    code, output = cli("convert", tiny_llama, "--recipe", r, "-o", root / "out", "--target", "gptq", "--no-hash",
+                       "--calib", calib_file, "--num-samples", "8", "--seq-len", "64")
+    assert code == 0, output
+    return {"gptq": root / "out" / "gptq"}
+
+
+def test_act_order_gptq_through_convert(tiny_llama, converted_act):
+    """g_idx from the pipeline reaches the file; decoded independently, each weight's error against the source
+    matches the error the pipeline recorded for its own weights (a misapplied g_idx would not)."""
+    from safetensors.torch import load_file
+
+    d = converted_act["gptq"]
+    qc = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert qc["desc_act"] is True and qc["true_sequential"] is True and qc["group_size"] == 32
+    recorded = json.loads((d / "qtk.json").read_text())["stats"]["weight_error"]
+    src = load_file(str(tiny_llama / "model.safetensors"))
+    ck = open_checkpoint(d)
+    for m in ck.modules():
+        g_idx = load_file(str(d / "model.safetensors"))[f"{m}.g_idx"]
+        assert not torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=torch.int32) // 32), m  # act-order: permuted
+        assert torch.equal(torch.bincount(g_idx.long()), torch.full((g_idx.numel() // 32,), 32)), m
+        assert ck.qtensor(m).g_idx is not None
+        w = src[f"{m}.weight"].float()
+        got = gptq_dequant(d, m, 4, v1=True)
+        err = float((got - w).norm() / w.norm())
+        assert abs(err - recorded[m]) < 1e-3 * recorded[m], (m, err, recorded[m])
+
+
 # ---- a real client: GPTQModel's kernels, loaded through transformers ----
 
 def _client_weight(mod) -> torch.Tensor:
@@ -403,8 +439,8 @@ def _client_weight(mod) -> torch.Tensor:
     return w.float().t()
 
 
-@pytest.mark.parametrize("case", ["w4a16/gptq", "w4a16/awq", "asym/gptq", "asym/awq", "w8a16/gptq", "v2/gptq"])
-def test_gptqmodel_loads_through_transformers(converted, converted_v2, case):
+@pytest.mark.parametrize("case", ["w4a16/gptq", "w4a16/awq", "asym/gptq", "asym/awq", "w8a16/gptq", "v2/gptq", "act/gptq"])
+def test_gptqmodel_loads_through_transformers(converted, converted_v2, converted_act, case):
     pytest.importorskip("gptqmodel", reason="GPTQModel is not installed (7.6 works with torch 2.13 / transformers 5.24 "
                                             "but must be built from its sdist; qtk does not install it)")
     from transformers import AutoModelForCausalLM
@@ -414,7 +450,7 @@ def test_gptqmodel_loads_through_transformers(converted, converted_v2, case):
     label, target = case.split("/")
     if target == "gptq":
         pytest.importorskip("optimum", reason="transformers loads GPTQ checkpoints through optimum")
-    d = (converted_v2 if label == "v2" else converted[label])[target]
+    d = {"v2": converted_v2, "act": converted_act}.get(label, converted.get(label))[target]
     ck = open_checkpoint(d)
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, device_map="cpu").eval()
     for m in ck.modules():  # before any forward: some kernels repack their buffers on first use
