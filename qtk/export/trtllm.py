@@ -517,6 +517,12 @@ def trtllm_config(source, geo: Geometry, quant: TRTQuant, exclude: list[str], tp
         "attn_bias": attn_bias,
         "mlp_bias": bool(getattr(cfg, "mlp_bias", False)),
         "residual_mlp": False,
+        # generic PretrainedConfig fields ModelOpt writes for this family, kept for parity with it
+        "bias": bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False)),
+        "rotary_pct": 1.0,
+        "rmsnorm": True,
+        "lm_head_bias": False,
+        "decoder": "qwen" if mt in ("qwen2", "qwen3") else "llama",
         "use_parallel_embedding": True,
         "embedding_sharding_dim": 0,
         "share_embedding_table": False,

@@ -1,0 +1,175 @@
+"""Recipe -> TensorRT-LLM quant_algo (and hf-modelopt) mapping, refusals with their fix, geometry checks, int4 pairs."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qtk.errors import UsageError
+from qtk.export import ExportOptions
+from qtk.export.modelopt import modelopt_quant
+from qtk.export.trtllm import Geometry, TRTLLMWriter, pack_int4_pairs, trtllm_quant, unpack_int4_pairs
+from qtk.recipe import builtin_recipes, load_recipe, parse_recipe
+
+FP8T = {"num_bits": 8, "type": "float", "strategy": "tensor"}
+FP8C = {"num_bits": 8, "type": "float", "strategy": "channel"}
+FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+I8C = {"num_bits": 8, "type": "int", "strategy": "channel"}
+I8T = {"num_bits": 8, "type": "int", "strategy": "tensor"}
+I8_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+I8_STATIC = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}
+KV_INT, KV_FP8 = {"num_bits": 8, "type": "int"}, {"num_bits": 8, "type": "float"}
+
+
+def W4(group=128, sym=True, strategy="group"):
+    return {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": strategy, **({"group_size": group} if strategy == "group" else {})}
+
+
+def recipe(**doc):
+    return parse_recipe({"name": "t", **doc}, origin="t")
+
+
+MAPPED = [
+    (dict(weights=FP8T, activations=FP8_STATIC), "FP8", None),
+    (dict(weights=FP8T, activations=FP8_STATIC, kv_cache=KV_FP8), "FP8", "FP8"),
+    (dict(weights=FP8T, activations=FP8_STATIC, kv_cache=KV_INT), "FP8", "INT8"),
+    (dict(weights=FP8C, activations=FP8_TOKEN), "FP8_PER_CHANNEL_PER_TOKEN", None),
+    (dict(weights=I8C, activations=I8_TOKEN, kv_cache=KV_INT, algorithm=[{"smoothquant": {"alpha": 0.8}}, "gptq"]),
+     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "INT8"),
+    (dict(weights=I8C, activations=I8_STATIC, kv_cache=KV_INT), "W8A8_SQ_PER_CHANNEL", "INT8"),
+    (dict(weights=I8C), "W8A16", None),
+    (dict(weights=I8C, algorithm=["gptq"]), "W8A16", None),
+    (dict(weights=W4(strategy="channel")), "W4A16", None),
+    (dict(weights=W4(128), algorithm=[{"awq": {}}]), "W4A16_AWQ", None),
+    (dict(weights=W4(64), algorithm=["gptq"]), "W4A16_AWQ", None),
+    (dict(weights=W4(128)), "W4A16_AWQ", None),
+]
+
+
+@pytest.mark.parametrize("doc,algo,kv", MAPPED)
+def test_recipe_maps_to_quant_algo(doc, algo, kv):
+    q = trtllm_quant(recipe(**doc))
+    assert (q.quant_algo, q.kv_cache_quant_algo) == (algo, kv)
+    cfg = q.config(["lm_head"])
+    if algo == "W4A16_AWQ":
+        assert cfg == {"quant_algo": algo, "kv_cache_quant_algo": kv, "group_size": doc["weights"]["group_size"],
+                       "has_zero_point": False, "pre_quant_scale": True, "exclude_modules": ["lm_head"]}
+    else:
+        assert cfg == {"quant_algo": algo, "kv_cache_quant_algo": kv, "exclude_modules": ["lm_head"]}
+
+
+def test_int8_kv8_is_per_token_smoothquant_with_int8_kv():
+    q = trtllm_quant(load_recipe("int8-kv8"))
+    assert (q.quant_algo, q.kv_cache_quant_algo) == ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "INT8")
+
+
+def test_non_awq_int4_and_plain_weight_only_say_what_they_wrote():
+    assert any("W4A16_GPTQ" in n for n in trtllm_quant(recipe(weights=W4(128), algorithm=["gptq"])).notes)
+    assert not trtllm_quant(recipe(weights=W4(128), algorithm=[{"awq": {}}])).notes
+    assert any("re-quantizes" in n for n in trtllm_quant(recipe(weights=I8C)).notes)
+
+
+REFUSED = [
+    (dict(weights=W4(128, sym=False), algorithm=[{"awq": {}}]), "symmetric: true"),
+    (dict(weights=W4(32)), "group_size: 128"),
+    (dict(weights=W4(128), algorithm=[{"gptq": {"actorder": True}}]), "actorder: false"),
+    (dict(weights=W4(strategy="tensor")), "strategy: group"),
+    (dict(weights=FP8C, activations=FP8_STATIC), "fp8-dynamic"),
+    (dict(weights=FP8T, activations=FP8_TOKEN), "fp8-dynamic"),
+    (dict(weights=FP8T), "add fp8 activations"),
+    (dict(weights=I8T, activations=I8_TOKEN), "strategy: channel"),
+    (dict(weights=I8T), "strategy: channel"),
+    (dict(weights={"num_bits": 2, "type": "int", "strategy": "channel"}), "4- or 8-bit"),
+]
+
+
+@pytest.mark.parametrize("doc,fix", REFUSED)
+def test_unexpressible_recipes_are_refused_with_the_fix(doc, fix):
+    with pytest.raises(UsageError) as e:
+        trtllm_quant(recipe(**doc))
+    assert fix in e.value.fix and "\n" not in str(e.value)
+    assert e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("name", sorted(builtin_recipes()))
+def test_every_builtin_recipe_maps_or_names_the_fix(name):
+    try:
+        q = trtllm_quant(load_recipe(name))
+    except UsageError as e:
+        assert e.fix
+    else:
+        assert q.quant_algo
+
+
+def test_hf_modelopt_mapping():
+    assert modelopt_quant(recipe(weights=FP8T, activations=FP8_STATIC, kv_cache=KV_FP8)) == ("FP8", "FP8", None)
+    assert modelopt_quant(recipe(weights=W4(128), algorithm=[{"awq": {}}])) == ("W4A16_AWQ", None, 128)
+    with pytest.raises(UsageError) as e:
+        modelopt_quant(load_recipe("int8-kv8"))
+    assert "--target trtllm" in e.value.fix and "SmoothQuant" in e.value.problem
+    for doc in (dict(weights=FP8C, activations=FP8_TOKEN), dict(weights=I8C), dict(weights=W4(128, sym=False))):
+        with pytest.raises(UsageError, match="--target trtllm or --target vllm"):
+            modelopt_quant(recipe(**doc))
+    with pytest.raises(UsageError, match="INT8 KV"):
+        modelopt_quant(recipe(weights=W4(128), kv_cache=KV_INT))
+
+
+GEO = Geometry(layers=4, hidden=256, intermediate=512, heads=8, kv_heads=2, head_dim=32, vocab=100)
+
+
+@pytest.mark.parametrize("tp,pp,group,ok", [
+    (1, 1, None, True), (2, 2, None, True), (4, 1, None, True),  # kv 2 over 4 ranks: each KV head copied twice
+    (8, 1, None, True), (3, 1, None, False), (16, 1, None, False), (1, 3, None, False),
+    (2, 1, 128, True), (4, 1, 128, False), (4, 1, 64, True),  # attention width per rank 64 at tp 4
+])
+def test_geometry_checks(tp, pp, group, ok):
+    if ok:
+        GEO.check(tp, pp, group)
+    else:
+        with pytest.raises(UsageError) as e:
+            GEO.check(tp, pp, group)
+        assert e.value.fix
+
+
+def test_unsupported_architecture_is_refused_naming_the_supported_ones():
+    src = SimpleNamespace(config_dict={"model_type": "gemma"}, arch=SimpleNamespace(trtllm_architecture=None))
+    with pytest.raises(UsageError) as e:
+        TRTLLMWriter.check(src, load_recipe("fp8"), ExportOptions())
+    assert all(m in e.value.problem for m in ("llama", "mistral", "qwen2", "qwen3")) and "--target vllm" in e.value.fix
+
+
+# ---- int4 pairs (ModelOpt pack_int4_in_uint8 / TensorRT-LLM W4A16_AWQ layout)
+
+def reference_pack(q: torch.Tensor) -> torch.Tensor:
+    """Byte j of column i = low nibble q[2j, i], high nibble q[2j+1, i], as ModelOpt documents it."""
+    out = torch.zeros(q.shape[0] // 2, q.shape[1], dtype=torch.uint8)
+    for j in range(q.shape[0] // 2):
+        for i in range(q.shape[1]):
+            out[j, i] = (int(q[2 * j, i]) & 0xF) | ((int(q[2 * j + 1, i]) & 0xF) << 4)
+    return out
+
+
+def test_int4_pair_bytes():
+    q = torch.tensor([[1, -8], [-1, 7]], dtype=torch.int8)
+    assert pack_int4_pairs(q).view(torch.uint8).tolist() == [[0xF1, 0x78]]
+
+
+@pytest.mark.parametrize("out,inp", [(2, 1), (6, 5), (16, 33)])
+def test_int4_pairs_round_trip_and_match_reference(out, inp):
+    g = torch.Generator().manual_seed(out * 100 + inp)
+    q = torch.randint(-8, 8, (out, inp), generator=g, dtype=torch.int8)
+    p = pack_int4_pairs(q)
+    assert p.dtype == torch.int8 and p.shape == (out // 2, inp)
+    assert torch.equal(p.view(torch.uint8), reference_pack(q))
+    assert torch.equal(unpack_int4_pairs(p), q) and torch.equal(unpack_int4_pairs(p.view(torch.uint8)), q)
+
+
+def test_every_int4_pair_value():
+    lo, hi = torch.meshgrid(torch.arange(-8, 8), torch.arange(-8, 8), indexing="ij")
+    q = torch.stack([lo.reshape(-1), hi.reshape(-1)]).to(torch.int8)  # [2, 256]: all pairs
+    p = pack_int4_pairs(q)
+    assert sorted(p.view(torch.uint8).reshape(-1).tolist()) == list(range(256))
+    assert torch.equal(unpack_int4_pairs(p), q)
+    with pytest.raises(ValueError):
+        pack_int4_pairs(q[:1])
