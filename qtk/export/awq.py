@@ -1,5 +1,5 @@
-"""awq target: the legacy AWQ GEMM checkpoint (FORMATS.md §5) that vLLM (awq, awq_marlin), GPTQModel,
-transformers and AutoAWQ load, and its reader.
+"""awq target: the legacy AWQ GEMM checkpoint (FORMATS.md §5) that vLLM (awq, awq_marlin), GPTQModel and
+transformers load, and its reader.
 
 Per quantized Linear X: X.qweight int32 [in, out/8] and X.qzeros int32 [in/group, out/8], both packed along
 the output dim in AWQ's order [0,2,4,6,1,3,5,7] and stored unsigned (zeros raw, no −1); X.scales fp16
@@ -43,7 +43,7 @@ BITS = 4
 class AWQWriter(Writer):
     target = "awq"
     description = "legacy AWQ GEMM checkpoint (qweight/qzeros/scales)"
-    loads_in = "vLLM (awq, awq_marlin), GPTQModel, transformers + gptqmodel, AutoAWQ"
+    loads_in = "vLLM (awq, awq_marlin), GPTQModel, transformers (with gptqmodel)"
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)

@@ -96,7 +96,7 @@ def ignored_layer_linears(source, r) -> list[str]:
 def check_divisible(module: str, n: int, per: int, what: str, target: str) -> None:
     if n % per:
         raise UsageError(f"{module}: {what} {n} is not a multiple of {per}, which the {target} layout packs per int32 word",
-                         f"ignore this module in the recipe, or use --target vllm")
+                         "ignore this module in the recipe, or use --target vllm")
 
 
 def trivial_g_idx(in_features: int, group_size: int | None) -> torch.Tensor:
@@ -116,7 +116,7 @@ def _per_group(t: torch.Tensor, out_features: int) -> torch.Tensor:
 class GPTQWriter(Writer):
     target = "gptq"
     description = "legacy GPTQ checkpoint (qweight/qzeros/scales/g_idx)"
-    loads_in = "vLLM (gptq, gptq_marlin), GPTQModel, transformers + gptqmodel"
+    loads_in = "vLLM (gptq, gptq_marlin), GPTQModel, transformers (with optimum + gptqmodel)"
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
