@@ -26,18 +26,22 @@ def convert(model, recipe, out, calib_file, **kw):
 
 @pytest.fixture(scope="package")
 def ckpts(tiny_llama, calib_file, tmp_path_factory):
-    """int8-kv8 (W8A8 dynamic + FP8 KV), a weight-only + FP8 KV recipe, and a deliberately broken 2-bit RTN one."""
+    """int8-kv8 (W8A8 dynamic + FP8 KV), a weight-only + 8-bit KV recipe for vLLM and TensorRT-LLM, and a deliberately
+    broken 2-bit RTN one."""
     root = tmp_path_factory.mktemp("eval-ckpts")
     (root / "w8-kv8.yaml").write_text(
         "name: w8-kv8\nweights: {num_bits: 8, type: int, symmetric: true, strategy: channel}\n"
-        "kv_cache: {num_bits: 8, type: float}\nalgorithm: [rtn]\nignore: [lm_head]\n"
+        "kv_cache: {num_bits: 8, type: int}\nalgorithm: [rtn]\nignore: [lm_head]\n"
         "calibration: {dataset: default, num_samples: 8, seq_len: 64}\n")
     (root / "w2.yaml").write_text(
         "name: w2-broken\nweights: {num_bits: 2, type: int, symmetric: true, strategy: channel}\n"
         "algorithm: [rtn]\nignore: [lm_head]\n")
+    w8 = api.convert(tiny_llama, root / "w8-kv8.yaml", root / "w8-kv8", targets=["vllm", "trtllm"], calib=str(calib_file),
+                     num_samples=NS, seq_len=T).outputs
     return {
         "int8-kv8": convert(tiny_llama, "int8-kv8", root / "int8-kv8", calib_file),
-        "w8-kv8": convert(tiny_llama, root / "w8-kv8.yaml", root / "w8-kv8", calib_file),
+        "w8-kv8": w8["vllm"],  # FP8 KV cache, k/v scales = amax/448
+        "w8-kv8-trt": w8["trtllm"],  # INT8 KV cache, one factor per layer = max(k, v amax)/127
         "w2": convert(tiny_llama, root / "w2.yaml", root / "w2", calib_file),
     }
 

@@ -180,3 +180,12 @@ def test_reports_json_junit_markdown_plot(ckpts, tiny_llama, task_dir, cache, tm
     assert "| ppl | perplexity ↓ |" in md and "❌ fail" in md and "FAILED" in md
     assert (out / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert api.SCHEMA == "qtk.eval/1"
+
+
+def test_a_tensorrt_llm_checkpoint_is_gated_with_its_int8_kv_cache(ckpts, tiny_llama, task_dir, cache):
+    res = _gate(ckpts["w8-kv8-trt"], tiny_llama, task_dir / "tasks.yaml", cache, tasks=["ppl"])
+    vl = _gate(ckpts["w8-kv8"], tiny_llama, task_dir / "tasks.yaml", cache, tasks=["ppl"])
+    assert res.candidate["format"] == "trtllm" and res.candidate["kv_cache"] == "int8"
+    assert vl.candidate["kv_cache"] == "fp8"
+    assert res.tasks[0].baseline == vl.tasks[0].baseline  # one baseline, two engines' caches
+    assert res.tasks[0].candidate != vl.tasks[0].candidate

@@ -65,23 +65,6 @@ def _reference_logprobs(model, ids, kv_quant):
         return F.log_softmax(model.lm_head(model.model.norm(h)).float(), -1)[0]
 
 
-class Int8KVCheckpoint:
-    """The same checkpoint as TensorRT-LLM would describe it with kv_cache_quant_algo INT8: one factor per layer for
-    K and V, max(k_amax, v_amax)/127, from the conversion statistics."""
-
-    def __init__(self, ck):
-        self._ck = ck
-        self.kv_cache = "int8"
-        self.kv_amax = {int(k): v for k, v in ck.manifest["stats"]["kv_amax"].items()}
-
-    def kv_scales(self, layer):
-        s = max(self.kv_amax[layer]) / 127
-        return s, s
-
-    def __getattr__(self, name):
-        return getattr(self._ck, name)
-
-
 def _fp8(x, s):
     return (x / s).clamp(-448, 448).to(FP8).float() * s
 
@@ -92,22 +75,31 @@ def _int8(x, s):
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_simulated_kv_quantization_equals_quantizing_k_after_rope_and_v_with_the_checkpoint_scale(ckpts, tiny_llama, kind):
-    d = ckpts["w8-kv8"]  # weight-only + KV: K and V are the only quantized activations
-    ck = open_checkpoint(d)
+    """fp8: the vLLM checkpoint (cache holds fp8(x / k_scale)); int8: the TensorRT-LLM checkpoint of the same recipe
+    (cache holds round(x / s) as int8, one kv_cache_scaling_factor per layer). Weight-only recipe: K and V are the
+    only quantized activations, so the comparison is exact."""
     if kind == "fp8":
+        d = ckpts["w8-kv8"]
         scales = _file_kv_scales(d)
         assert set(scales) == {0, 1}
 
         def kv(i, k, v):
             return _fp8(k, scales[i]["k_scale"]), _fp8(v, scales[i]["v_scale"])
     else:
-        ck = Int8KVCheckpoint(ck)
+        from safetensors import safe_open
+
+        d = ckpts["w8-kv8-trt"]
+        with safe_open(str(d / "rank0.safetensors"), "pt") as f:
+            factor = {i: float(f.get_tensor(f"transformer.layers.{i}.attention.kv_cache_scaling_factor").reshape(-1)[0])
+                      for i in (0, 1)}
         amax = json.loads((d / "qtk.json").read_text())["stats"]["kv_amax"]
+        assert factor[0] == pytest.approx(max(amax["0"]) / 127)
 
         def kv(i, k, v):
-            s = max(amax[str(i)]) / 127
-            return _int8(k, s), _int8(v, s)
+            return _int8(k, factor[i]), _int8(v, factor[i])
 
+    ck = open_checkpoint(d)
+    assert ck.kv_cache == kind
     eng = HFEngine.candidate(ck, load_tokenizer(tiny_llama), batch_size=4)
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (40, 23, 31)]
