@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,7 +66,8 @@ def trtllm_quant(recipe) -> TRTQuant:
     | int8 channel            | int8 token dynamic   | W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN |
     | int8 channel            | -                    | W8A16 (plain weights)                |
     | int4 channel, symmetric | -                    | W4A16 (plain weights)                |
-    | int4 group 64/128, sym  | -                    | W4A16_AWQ                            |
+    | int4 group 64/128, sym  | -                    | W4A16_AWQ (also for RTN and GPTQ)    |
+    + kv_cache int8 -> kv_cache_quant_algo INT8, float -> FP8
     """
     w, a, steps = recipe.weights, recipe.activations, recipe.step_names
     where = f"recipe {recipe.name}"
@@ -330,7 +331,7 @@ class TRTLLMWriter(Writer):
             raise UsageError("--pp with per-layer ignore patterns: TensorRT-LLM names excluded modules per pipeline stage",
                              "drop --pp, or ignore only lm_head")
         sw = getattr(source.config, "sliding_window", None)
-        if sw and getattr(source.config, "use_sliding_window", True) and sw < geo_max_pos(source.config):
+        if sw and getattr(source.config, "use_sliding_window", True) and sw < _max_positions(source.config):
             notes.append(f"TensorRT-LLM: the checkpoint has no sliding-window field; run it with max_attention_window_size {sw}")
         return notes
 
@@ -391,9 +392,8 @@ class TRTLLMWriter(Writer):
         hf = self.source.layer_prefix(r.index)
         dense = dict(r.dense)
         replicated: dict[str, torch.Tensor] = {}
-        for h, t in list(dense.items()):
-            rel = h[len(hf):]
-            base, _, leaf = rel.rpartition(".")
+        for h in list(dense):
+            base, _, leaf = h[len(hf):].rpartition(".")
             if base in ("input_layernorm", "post_attention_layernorm") or base in EXTRA_LAYER_NAMES:
                 trt = a.trtllm_names.get(base) or EXTRA_LAYER_NAMES[base]
                 replicated[f"{trt}.{leaf}"] = dense.pop(h)
@@ -474,7 +474,7 @@ def _ignored_layer_linears(source, recipe) -> list[str]:
             for lin in source.arch.linears if lin not in target_linears(source, recipe, i)]
 
 
-def geo_max_pos(cfg) -> int:
+def _max_positions(cfg) -> int:
     return int(getattr(cfg, "max_position_embeddings", 0) or 0)
 
 
@@ -502,7 +502,7 @@ def trtllm_config(source, geo: Geometry, quant: TRTQuant, exclude: list[str], tp
         "dtype": dtype,
         "logits_dtype": "float32",
         "vocab_size": geo.vocab,
-        "max_position_embeddings": geo_max_pos(cfg),
+        "max_position_embeddings": _max_positions(cfg),
         "hidden_size": geo.hidden,
         "num_hidden_layers": geo.layers,
         "num_attention_heads": geo.heads,

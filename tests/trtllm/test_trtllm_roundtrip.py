@@ -155,3 +155,23 @@ def test_hf_modelopt_refuses_int8_smoothquant_pointing_to_trtllm(model, calib_fi
         convert(model, "int8-kv8", tmp_path / "o", calib_file, targets=["hf-modelopt"])
     assert "--target trtllm" in str(e.value)
     assert not (tmp_path / "o").exists()
+
+
+def test_tied_embeddings_and_llama3_rope_survive_the_trt_config(calib_file, tmp_path):
+    """The reader rebuilds the HF config from TensorRT-LLM's fields: rope base and scaling must come back."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256}
+    m = make_tiny_model(tmp_path / "m", hidden=128, intermediate=256, tie=True, rope_theta=500000.0, rope_scaling=rope)
+    out = convert(m, "fp8", tmp_path / "o", calib_file, targets=["vllm", "trtllm"]).outputs
+    cfg = json.loads((out["trtllm"] / "config.json").read_text())
+    assert cfg["rotary_base"] == 500000.0 and cfg["rotary_scaling"]["type"] == "llama3"
+    assert cfg["rotary_scaling"]["factor"] == 8.0 and cfg["tie_word_embeddings"] is True
+    f = load_file(str(out["trtllm"] / "rank0.safetensors"))
+    assert torch.equal(f["lm_head.weight"], f["transformer.vocab_embedding.weight"])  # written out for TensorRT-LLM
+    trt = open_checkpoint(out["trtllm"])
+    assert trt.hf_config["rope_parameters"] == {**rope, "rope_theta": 500000.0}
+    ids = torch.randint(3, 90, (1, 300), generator=torch.Generator().manual_seed(1))  # past the original 256 positions
+    with torch.no_grad():
+        a = build_simulated_model(open_checkpoint(out["vllm"]))(ids).logits
+        b = build_simulated_model(trt)(ids).logits
+    assert torch.equal(a, b)
