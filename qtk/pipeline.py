@@ -36,9 +36,12 @@ class _StopForward(Exception):
 
 
 class _Catcher(torch.nn.Module):
-    def __init__(self, store: list, attention_type=None):
+    """Stands in for decoder layer `index`: records the kwargs the model passes it (masks and rotary
+    embeddings differ per layer type, e.g. sliding-window layers), and the hidden states at layer 0."""
+
+    def __init__(self, store: list, index: int, last: bool, attention_type=None):
         super().__init__()
-        self.store = store
+        self.store, self.index, self.last = store, index, last
         if attention_type is not None:
             self.attention_type = attention_type
 
@@ -46,8 +49,10 @@ class _Catcher(torch.nn.Module):
         kwargs.pop("cache", None)
         kwargs.pop("past_key_values", None)
         kwargs["use_cache"] = False
-        self.store.append((hidden_states, kwargs))
-        raise _StopForward
+        self.store.append((self.index, hidden_states, kwargs))
+        if self.last:
+            raise _StopForward
+        return hidden_states
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
@@ -75,19 +80,20 @@ def target_linears(source, recipe: Recipe, i: int) -> list[str]:
     return kept
 
 
-def capture_layer0_inputs(source, skeleton, ids: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
-    """Run embeddings (+ rotary) and stop at layer 0: its inputs and kwargs for every batch."""
+def capture_layer_inputs(source, skeleton, ids: torch.Tensor, batch_size: int):
+    """Run embeddings (+ rotary, masks) once per batch with every layer replaced by a catcher.
+
+    Returns (batches, layer_kwargs): batches = [(hidden states into layer 0, its kwargs)] and
+    layer_kwargs[i][b] = the kwargs layer i gets for batch b (shared tensors, so this costs no memory)."""
     arch = source.arch
     embed_meta = skeleton.get_submodule(arch.embed)
     replace_module(skeleton, arch.embed, source.load_module(embed_meta, arch.embed + "."))
-    base = skeleton.get_submodule(arch.layers.rpartition(".")[0])
-    if hasattr(base, "rotary_emb"):
-        with torch.device("cpu"):
-            base.rotary_emb = type(base.rotary_emb)(config=skeleton.config)
     layers = skeleton.get_submodule(arch.layers)
-    first = layers[0]
+    originals = list(layers)
     store: list = []
-    layers[0] = _Catcher(store, getattr(first, "attention_type", None))
+    n = len(originals)
+    for i, layer in enumerate(originals):
+        layers[i] = _Catcher(store, i, i == n - 1, getattr(layer, "attention_type", None))
     try:
         with torch.no_grad():
             for batch in ids.split(batch_size):
@@ -96,9 +102,12 @@ def capture_layer0_inputs(source, skeleton, ids: torch.Tensor, batch_size: int) 
                 except _StopForward:
                     pass
     finally:
-        layers[0] = first
+        for i, layer in enumerate(originals):
+            layers[i] = layer
         replace_module(skeleton, arch.embed, embed_meta)
-    return store
+    batches = [(h, kw) for i, h, kw in store if i == 0]
+    layer_kwargs = [[kw for j, _, kw in store if j == i] for i in range(n)]
+    return batches, layer_kwargs
 
 
 def _forward_all(layer, batches):
@@ -218,7 +227,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
             raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
         for s in sinks:
             s.add_dense(name, t.to(source.dtype) if t.is_floating_point() else t)
-    batches = capture_layer0_inputs(source, skeleton, calib_ids, batch_size) if calib_ids is not None else None
+    batches, layer_kwargs = capture_layer_inputs(source, skeleton, calib_ids, batch_size) if calib_ids is not None else (None, None)
     stats.timings["capture"] = time.perf_counter() - t0
 
     n = source.num_layers
@@ -238,6 +247,8 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     for i in range(start, n):
         targets = target_linears(source, recipe, i)
         layer = source.layer(skeleton, i)
+        if batches is not None:
+            batches = [(h, kw) for (h, _), kw in zip(batches, layer_kwargs[i])]
         result, batches = process_layer(source, recipe, i, layer, batches, targets)
         del layer
         for s in sinks:

@@ -55,8 +55,34 @@ class Arch:
 LLAMA = Arch("llama", ("llama", "mistral"))
 QWEN2 = Arch("qwen2", ("qwen2",), trtllm_architecture="Qwen2ForCausalLM")
 QWEN3 = Arch("qwen3", ("qwen3",), trtllm_architecture="Qwen3ForCausalLM")
+# Gemma 2/3: RMSNorm scales by (1 + w); the MLP's input norm is pre_feedforward_layernorm
+# (post_attention_layernorm normalises the attention output before the residual add)
+GEMMA = Arch(
+    "gemma", ("gemma2", "gemma3_text"),
+    smoothing=(
+        SmoothPair("input_layernorm", (Q, K, V), True),
+        SmoothPair(V, (O,), False),
+        SmoothPair("pre_feedforward_layernorm", (GATE, UP), True),
+        SmoothPair(UP, (DOWN,), False),
+    ),
+    norm_one_plus=True,
+    trtllm_architecture=None,
+)
+# Phi-3 stores q/k/v and gate/up already fused: each fused Linear is quantized as one (as vLLM loads it)
+QKV, GATE_UP = "self_attn.qkv_proj", "mlp.gate_up_proj"
+PHI3 = Arch(
+    "phi3", ("phi3",),
+    linears=(QKV, O, GATE_UP, DOWN),
+    fusion_groups=(),
+    smoothing=(
+        SmoothPair("input_layernorm", (QKV,), True),
+        SmoothPair("post_attention_layernorm", (GATE_UP,), True),
+    ),
+    clip_skip=(QKV,),
+    trtllm_architecture=None,
+)
 
-ARCHS: dict[str, Arch] = {mt: a for a in (LLAMA, QWEN2, QWEN3) for mt in a.model_types}
+ARCHS: dict[str, Arch] = {mt: a for a in (LLAMA, QWEN2, QWEN3, GEMMA, PHI3) for mt in a.model_types}
 
 
 def arch_for(model_type: str | None) -> Arch:

@@ -48,23 +48,35 @@ def _qtk_attention(module, query, key, value, attention_mask, **kwargs):
     hook = getattr(module, "_qtk_kv_hook", None)
     if hook is not None:
         key, value = hook(key, value)
+    if kwargs.get("softcap") is not None:  # logit soft-capping (Gemma 2): only the model's eager code has it
+        import sys
+
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+ATTN_IMPL_EAGER = "qtk_eager"
+
+
 def use_qtk_attention(model_or_config) -> None:
-    """Route attention through qtk's function (sdpa underneath, sdpa masks) so K/V hooks can run."""
+    """Route attention through qtk's function so K/V hooks can run: sdpa underneath with sdpa masks, or,
+    for models with attention soft-capping, the model's eager attention with eager (materialised) masks."""
     global _registered
     if not _registered:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
         AttentionInterface.register(ATTN_IMPL, _qtk_attention)
         AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+        AttentionInterface.register(ATTN_IMPL_EAGER, _qtk_attention)
+        AttentionMaskInterface.register(ATTN_IMPL_EAGER, eager_mask)
         _registered = True
     config = getattr(model_or_config, "config", model_or_config)
-    config._attn_implementation = ATTN_IMPL
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    config._attn_implementation = ATTN_IMPL_EAGER if softcap is not None else ATTN_IMPL
 
 
 def set_kv_hook(attn_module: torch.nn.Module, hook: Callable | None) -> None:
@@ -111,30 +123,28 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
                           dtype: torch.dtype = torch.float32):
     """The model a checkpoint describes, as the engine runs it: dequantized weights read from disk,
     activations and the KV cache fake-quantized with the checkpoint's own scales."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from qtk.model.source import meta_skeleton
 
     cfg_dict = dict(ckpt.hf_config)
     cfg_dict.pop("quantization_config", None)
     model_type = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg_dict)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = meta_skeleton(config, dtype=dtype)
     sd = {k: v.to(dtype) for k, v in ckpt.dense_state_dict().items()}
     modules = ckpt.modules()
     for m in modules:
         sd[f"{m}.weight"] = engine_weight(ckpt.qtensor(m)).to(dtype)
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    model.to_empty(device="cpu")
-    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    expected = {k for k, v in model.state_dict().items() if v.is_meta}
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - set(model.state_dict()))
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(sd, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    base = model.get_submodule("model")
-    if hasattr(base, "rotary_emb"):  # non-persistent buffers are not in the checkpoint: rebuild them
-        base.rotary_emb = type(base.rotary_emb)(config=config)
     act = ckpt.activations if simulate_activations else None
     for m in modules:
         lin = model.get_submodule(m)

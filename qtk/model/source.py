@@ -21,6 +21,30 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def meta_skeleton(config, trust_remote_code: bool = False, dtype=torch.float32):
+    """Build a causal LM whose parameters live on the meta device while its buffers are real CPU tensors.
+
+    Parameters are created empty (no init) and moved to meta one at a time, so building costs neither
+    memory nor initialisation time; buffers computed in __init__ keep their values."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    register = torch.nn.Module.register_parameter
+
+    def to_meta(self, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=False)
+        register(self, name, param)
+
+    torch.nn.Module.register_parameter = to_meta
+    try:
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    finally:
+        torch.nn.Module.register_parameter = register
+    return model.eval()
+
+
 class ModelSource:
     """A Hugging Face causal-LM directory. Nothing heavy is read until asked for."""
 
@@ -28,6 +52,8 @@ class ModelSource:
         self.path = Path(path)
         self.allow_pickle = allow_pickle
         self.trust_remote_code = trust_remote_code
+        if self.path.exists() and not self.path.is_dir():
+            raise UsageError(f"model path {self.path} is a file, not a directory", "give the directory that holds config.json and the weights")
         if not self.path.is_dir():
             raise UsageError(f"model directory {self.path} does not exist", "give the path of a local Hugging Face model directory")
         cfg = self.path / "config.json"
@@ -42,20 +68,42 @@ class ModelSource:
         if "auto_map" in self.config_dict and not trust_remote_code:
             raise UsageError(f"{self.path.name} needs custom code from the model repository (config.json has auto_map)",
                              "review that code, then pass --trust-remote-code")
+        self._check_code_files()
+        if "quantization_config" in self.config_dict:
+            method = self.config_dict["quantization_config"]
+            method = method.get("quant_method", "?") if isinstance(method, dict) else "?"
+            raise UsageError(f"{self.path.name} is already quantized (config.json has a {method} quantization_config)",
+                             "give the original unquantized (bf16/fp16) model")
+        if "model_type" not in self.config_dict:
+            raise UsageError(f"{cfg} has no model_type", "restore the model's original config.json (it names the architecture, e.g. 'llama')")
         self.arch: Arch = arch_for(self.config_dict.get("model_type"))
         self._handles: dict[Path, object] = {}
         self.weight_map = self._index_weights()
 
     # ---- files ----
 
+    def _check_code_files(self) -> None:
+        """With --trust-remote-code, the auto_map's modules must be in the directory (qtk never downloads code)."""
+        refs = self.config_dict.get("auto_map") or {}
+        refs = [r for v in (refs.values() if isinstance(refs, dict) else []) for r in (v if isinstance(v, list) else [v])]
+        for ref in refs:
+            if isinstance(ref, str) and "--" not in ref and "." in ref:  # 'repo--module.Class' lives in another repository
+                module = ref.rpartition(".")[0].replace(".", "/") + ".py"
+                if not (self.path / module).is_file():
+                    raise UsageError(f"config.json's auto_map needs {module}, which is not in {self.path.name}",
+                                     "copy the model repository's *.py files into the model directory")
+
     def _index_weights(self) -> dict[str, Path]:
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
             try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UsageError(f"{index} is malformed (no weight_map)", "restore the index file or re-download the model") from None
+                wm = json.loads(index.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise UsageError(f"{index} is not valid JSON ({e})", "restore the index file or re-download the model") from None
+            wm = wm.get("weight_map") if isinstance(wm, dict) else None
+            if not isinstance(wm, dict):
+                raise UsageError(f"{index} is malformed (no weight_map)", "restore the index file or re-download the model")
             files = {}
             for name, fname in wm.items():
                 p = self.path / fname
@@ -136,7 +184,11 @@ class ModelSource:
                              "copy the tokenizer files into the model directory, or use a recipe that needs no calibration")
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code)
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code)
+        except Exception as e:  # tokenizers/transformers raise many types for corrupt files
+            raise UsageError(f"the tokenizer in {self.path.name} cannot be loaded ({_one_line(e)})",
+                             "restore the model's original tokenizer files") from None
 
     # ---- config ----
 
@@ -146,8 +198,8 @@ class ModelSource:
 
         try:
             return AutoConfig.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code)
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            raise UsageError(f"config.json cannot be read by transformers ({e})", "restore the model's original config.json") from None
+        except Exception as e:  # includes huggingface_hub's strict-dataclass validation errors
+            raise UsageError(f"config.json cannot be read by transformers ({_one_line(e)})", "restore the model's original config.json") from None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -175,20 +227,37 @@ class ModelSource:
     # ---- modules ----
 
     def skeleton(self):
-        """The whole model on the meta device, fp32: costs no memory, gives module structure and forward code."""
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32,
-                                                     trust_remote_code=self.trust_remote_code)
-        model.eval()
+        """The whole model with parameters on the meta device (no memory) and buffers computed on the CPU
+        (rotary frequencies, embedding scales: non-persistent buffers no checkpoint holds), fp32.
+        Every parameter it expects is checked against the weight files' headers first, so a missing or
+        misshapen tensor is refused before any work (not half-way, and not silently passed through)."""
+        model = meta_skeleton(self.config, trust_remote_code=self.trust_remote_code)
+        self._check_tensors(model)
         return model
+
+    def shape(self, name: str) -> list[int]:
+        """A tensor's shape from the file header, without reading its data."""
+        h = self._open(self.weight_map[name])
+        return list(h[name].shape) if isinstance(h, dict) else h.shape(name)
+
+    def _check_tensors(self, model) -> None:
+        groups: dict[int, list[tuple[str, torch.Tensor]]] = {}  # tied parameters are one object under several names
+        for name, p in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append((name, p))
+        for members in groups.values():
+            present = [(n, p) for n, p in members if n in self.weight_map]
+            if not present:
+                raise UsageError(f"tensor {members[0][0]} is missing from {self.path.name}", "the checkpoint is incomplete: re-download it")
+            for n, p in present:
+                if self.shape(n) != list(p.shape):
+                    raise UsageError(f"tensor {n} has shape {self.shape(n)} but config.json implies {list(p.shape)}",
+                                     "the weights do not belong to this config.json")
 
     def load_module(self, module: torch.nn.Module, prefix: str, dtype=torch.float32, check_finite: bool = False) -> torch.nn.Module:
         """Materialise a (meta) module from the source tensors under `prefix`, in `dtype`. Returns a new module.
-        check_finite scans every tensor; the pipeline instead checks quantization scales and dense tensors."""
+        check_finite refuses NaN/Inf, naming the tensor (a NaN weight can hide behind a finite scale)."""
         mod = copy.deepcopy(module)
-        expected = mod.state_dict()
+        expected = {k: v for k, v in mod.state_dict().items() if v.is_meta}  # parameters (buffers are real)
         sd = {}
         for k, meta in expected.items():
             t = self.tensor(prefix + k)
@@ -196,14 +265,21 @@ class ModelSource:
                 raise UsageError(f"tensor {prefix + k} has shape {list(t.shape)} but config.json implies {list(meta.shape)}",
                                  "the weights do not belong to this config.json")
             t = t.to(dtype)
-            if check_finite and not torch.isfinite(t).all():
+            # a sum is non-finite whenever a NaN/Inf is present; the exact scan runs only then (~30x cheaper)
+            if check_finite and t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                 raise UsageError(f"tensor {prefix + k} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
             sd[k] = t
-        mod.to_empty(device="cpu")
-        mod.load_state_dict(sd, strict=True, assign=True)
-        # non-persistent buffers (none in supported decoder layers) would be left uninitialised by to_empty
+        mod.load_state_dict(sd, strict=False, assign=True)
         return mod.eval()
 
     def layer(self, skeleton, i: int, dtype=torch.float32) -> torch.nn.Module:
         layers = skeleton.get_submodule(self.arch.layers)
-        return self.load_module(layers[i], self.layer_prefix(i), dtype)
+        return self.load_module(layers[i], self.layer_prefix(i), dtype, check_finite=True)
+
+
+def _one_line(e: BaseException) -> str:
+    """The innermost cause of a library error, on one line: what a user can act on."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = " ".join(str(e).split())
+    return f"{e.__class__.__name__}: {text[:200]}"
