@@ -173,3 +173,25 @@ def test_every_int4_pair_value():
     assert torch.equal(unpack_int4_pairs(p), q)
     with pytest.raises(ValueError):
         pack_int4_pairs(q[:1])
+
+
+def test_fp8_fused_scales_are_unified_by_requantizing_to_the_largest():
+    from qtk.export.trtllm import _unify_tensor_scale
+    from qtk.quant.qtensor import QTensor
+    from qtk.recipe import QuantScheme
+
+    s = QuantScheme(8, "float", True, "tensor")
+    g = torch.Generator().manual_seed(0)
+    a, b = QTensor.quantize(torch.randn(8, 16, generator=g), s), QTensor.quantize(3 * torch.randn(4, 16, generator=g), s)
+    ua, ub = _unify_tensor_scale([a, b])
+    assert torch.equal(ua.scale, ub.scale) and torch.equal(ub.scale, b.scale) and torch.equal(ub.values.view(torch.uint8), b.values.view(torch.uint8))
+    assert not torch.equal(ua.scale, a.scale)  # the smaller range moved to the shared, larger scale
+    assert torch.allclose(ua.dequantize(), a.dequantize(), rtol=0.07, atol=1e-3)
+    assert _unify_tensor_scale([a, a]) == [a, a]
+
+
+def test_hf_modelopt_refuses_tensor_parallel():
+    from qtk.export.modelopt import ModelOptHFWriter
+
+    with pytest.raises(UsageError, match="trtllm target only"):
+        ModelOptHFWriter.check(None, load_recipe("fp8"), ExportOptions(tp=2))
