@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-llama"
 CHARS = list(string.ascii_letters + string.digits + string.punctuation + " \n")
 
 
@@ -60,4 +61,9 @@ def write_calib(path: Path, n: int = 40, seed: int = 0) -> Path:
     with open(path, "w") as f:
         for _ in range(n):
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(60))}) + "\n")
+    return path
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

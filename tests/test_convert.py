@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import EXAMPLE
+from models import EXAMPLE
 from qtk import api
 from qtk.calib import calibration_ids, load_texts
 from qtk.export import open_checkpoint

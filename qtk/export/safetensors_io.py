@@ -179,10 +179,11 @@ class SafetensorsFile:
             return torch.empty(e["shape"], dtype=dtype)
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(e["shape"])
 
-    def __del__(self):
+    def __del__(self, _close=os.close):  # bound early: module globals may be gone at interpreter exit
         fd = getattr(self, "_fd", None)
         if fd is not None:
-            os.close(fd)
+            _close(fd)
+            self._fd = None
 
 
 def _numel(shape) -> int:

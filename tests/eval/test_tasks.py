@@ -4,7 +4,8 @@ import builtins
 
 import pytest
 
-from conftest import write_jsonl
+from models import write_jsonl
+
 from qtk.errors import UsageError
 from qtk.eval.tasks import build_requests, extract, load_task_file, prepare
 
