@@ -42,6 +42,7 @@ def meta_skeleton(config, trust_remote_code: bool = False, dtype=torch.float32):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     finally:
         torch.nn.Module.register_parameter = register
+    model.tie_weights()  # the patched registration loses from_config's tying: lm_head must stay the embedding
     return model.eval()
 
 

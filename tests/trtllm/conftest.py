@@ -1,7 +1,12 @@
 """Fixtures of the TensorRT-LLM / ModelOpt tests."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # trtllm_helpers, under any --import-mode
 
 
 @pytest.fixture(scope="package", autouse=True)
