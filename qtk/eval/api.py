@@ -212,13 +212,13 @@ def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: st
 
     say("loading tasks")
     t0 = time.perf_counter()
-    from qtk.eval.engines import has_tokenizer, load_tokenizer
+    from qtk.eval.engines import has_tokenizer, load_tokenizer, same_tokenizer_files
 
     prepared = [prepare(t, limit=limit, seed=seed) for t in tf.tasks]
     tokenizer = load_tokenizer(base)
     requests = [build_requests(p, tokenizer) for p in prepared]
     cand_tok = tokenizer
-    if has_tokenizer(cand):
+    if has_tokenizer(cand) and not same_tokenizer_files(cand, base):
         cand_tok = load_tokenizer(cand)
         for p, r in zip(prepared, requests):
             if build_requests(p, cand_tok).digest() != r.digest():

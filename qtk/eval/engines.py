@@ -49,6 +49,17 @@ def has_tokenizer(path: Path) -> bool:
     return any((Path(path) / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
+def same_tokenizer_files(a: Path, b: Path) -> bool:
+    """Both directories hold byte-identical tokenizer files (then they tokenize identically)."""
+    from qtk.model.source import TOKENIZER_FILES
+
+    for n in TOKENIZER_FILES:
+        pa, pb = Path(a) / n, Path(b) / n
+        if pa.is_file() != pb.is_file() or (pa.is_file() and pa.read_bytes() != pb.read_bytes()):
+            return False
+    return True
+
+
 def _kl_to_reference(logp: torch.Tensor, ref_lp: torch.Tensor, ref_ix: torch.Tensor, vocab: int) -> torch.Tensor:
     """KL(P_base || P_cand) per token, from the baseline's top-k log-probs [T, k] (and their ids) and the
     candidate's full log-probs [T, V]. The baseline mass outside its top-k is one bucket, so this is exact when

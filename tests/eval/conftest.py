@@ -1,11 +1,11 @@
 """Shared fixtures for the qtk eval tests: one tiny random Llama, its checkpoints, and small task files."""
 
-import json
 import random
 
 import pytest
 import torch
 
+from models import write_jsonl
 from qtk import api
 
 NS, T = 8, 64  # calibration windows: small, the numbers only need to be consistent
@@ -44,11 +44,6 @@ def ckpts(tiny_llama, calib_file, tmp_path_factory):
         "w8-kv8-trt": w8["trtllm"],  # INT8 KV cache, one factor per layer = max(k, v amax)/127
         "w2": convert(tiny_llama, root / "w2.yaml", root / "w2", calib_file),
     }
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="package")

@@ -141,6 +141,17 @@ def test_usage_errors(ckpts, tiny_llama, task_dir, tmp_path, cache):
         _gate(ckpts["int8-kv8"], tiny_llama, tmp_path / "none.yaml", cache)
     with pytest.raises(UsageError, match="unknown task"):
         _gate(ckpts["int8-kv8"], tiny_llama, task_dir / "tasks.yaml", cache, tasks=["nope"])
+    # a checkpoint whose tokenizer maps characters differently
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(ckpts["int8-kv8"], odd)
+    tj = json.loads((odd / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (odd / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(UsageError, match="tokenizes task 'ppl' differently"):
+        _gate(odd, tiny_llama, task_dir / "tasks.yaml", cache)
     other = tmp_path / "other"
     from models import make_tiny_model
 
