@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from qtk.errors import UsageError
 
@@ -145,7 +144,7 @@ class HFEngine:
                 yield g[s: s + self.batch_size]
 
     def _forward(self, rows: list[list[int]]) -> torch.Tensor:
-        """Right-padded batch -> log-probs [B, T, V] in float32."""
+        """Right-padded batch -> log-probs [B, T, V] in float32 (rows after their length are padding)."""
         T = max(len(r) for r in rows)
         ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), T), dtype=torch.long)
@@ -153,8 +152,10 @@ class HFEngine:
             ids[b, : len(r)] = torch.tensor(r)
             mask[b, : len(r)] = 1
         with torch.inference_mode():
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-        return F.log_softmax(logits.float(), dim=-1)
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
+            for b in range(len(rows)):  # normalise in place, one row at a time: no second [B, T, V] tensor
+                logits[b] -= logits[b].logsumexp(-1, keepdim=True)
+        return logits
 
     # ---- primitives
     def loglikelihood(self, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
