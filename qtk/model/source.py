@@ -107,6 +107,8 @@ class ModelSource:
                 raise UsageError(f"{index} is malformed (no weight_map)", "restore the index file or re-download the model")
             files = {}
             for name, fname in wm.items():
+                if not isinstance(fname, str):
+                    raise UsageError(f"{index} is malformed (weight_map[{name!r}] is not a file name)", "restore the index file or re-download the model")
                 p = self.path / fname
                 if not p.is_file():
                     raise UsageError(f"index names shard {fname} (for {name}) but it is missing", "re-download the missing shard")
