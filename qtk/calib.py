@@ -37,7 +37,7 @@ def load_texts(spec: str, text_field: str = "text", split: str = "train") -> lis
         if not p.is_file():
             raise UsageError(f"calibration file {p} does not exist", "give an existing .jsonl/.txt/.parquet file or a dataset id")
         rows = []
-        for n, line in enumerate(p.read_text().splitlines(), 1):
+        for n, line in enumerate(_read_text(p).splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
@@ -47,21 +47,37 @@ def load_texts(spec: str, text_field: str = "text", split: str = "train") -> lis
     elif p.suffix == ".txt":
         if not p.is_file():
             raise UsageError(f"calibration file {p} does not exist", "give an existing .jsonl/.txt/.parquet file or a dataset id")
-        texts = [t for t in p.read_text().split("\n\n") if t.strip()]
+        texts = [t for t in _read_text(p).split("\n\n") if t.strip()]
     elif p.suffix == ".parquet":
         if not p.is_file():
             raise UsageError(f"calibration file {p} does not exist", "give an existing .jsonl/.txt/.parquet file or a dataset id")
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.read_table(p)
-        if text_field not in table.column_names:
-            raise UsageError(f"{p.name} has no column '{text_field}' (it has: {', '.join(table.column_names)})", "pass --text-field NAME")
-        texts = [t for t in table.column(text_field).to_pylist() if isinstance(t, str) and t.strip()]
+        try:
+            schema = pq.read_schema(p)
+            if text_field not in schema.names:
+                raise UsageError(f"{p.name} has no column '{text_field}' (it has: {', '.join(schema.names)})", "pass --text-field NAME")
+            kind = schema.field(text_field).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+                raise UsageError(f"{p.name}: column '{text_field}' holds {kind}, not text", "pass --text-field naming a text column")
+            column = pq.read_table(p, columns=[text_field]).column(text_field)
+        except (pa.ArrowException, OSError) as e:
+            raise UsageError(f"{p.name} is not a readable parquet file ({' '.join(str(e).split())[:200]})",
+                             "re-export it, or give a .jsonl file with a 'text' field") from None
+        texts = [t for t in column.to_pylist() if isinstance(t, str) and t.strip()]
     else:
         texts = _load_dataset(spec, text_field, split)
     if not texts:
         raise UsageError(f"calibration data {spec} holds no text", "give a file or dataset with non-empty text")
     return texts
+
+
+def _read_text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{p.name} is not UTF-8 text (byte {e.start})", "re-save the file as UTF-8") from None
 
 
 def _load_dataset(spec: str, text_field: str, split: str) -> list[str]:
