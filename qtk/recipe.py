@@ -37,9 +37,9 @@ def _check_keys(d: Mapping, valid, where: str) -> None:
 
 
 def _typed(d: Mapping, key: str, kind, where: str, default=None):
-    v = d.get(key, default)
-    if v is None:
-        return None
+    v = d.get(key)
+    if v is None:  # absent or an explicit null ('key:' with no value): the default, never None in its place
+        return default
     ok = isinstance(v, kind) and not (kind is int and isinstance(v, bool))
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
         v, ok = float(v), True
@@ -103,7 +103,7 @@ class QuantScheme:
     @classmethod
     def parse(cls, d: Mapping, where: str, role: str) -> "QuantScheme":
         _check_keys(d, {f.name for f in fields(cls)}, where)
-        if "num_bits" not in d:
+        if d.get("num_bits") is None:
             raise UsageError(f"{where}: missing key 'num_bits'", "add e.g. 'num_bits: 8'")
         s = cls(
             num_bits=_typed(d, "num_bits", int, where),
@@ -300,7 +300,7 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
 
             try:
                 re.compile(p[3:])
-            except re.error as e:
+            except (re.error, OverflowError, RecursionError) as e:
                 raise UsageError(f"{origin}: ignore pattern '{p}' is not a valid regex ({e})", "fix the pattern") from None
 
     calib = doc.get("calibration")
@@ -321,6 +321,33 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
                   kv_cache=kv_cache, algorithm=tuple(steps), ignore=tuple(ignore), calibration=calibration, text=text)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key, line: int):
+        self.key, self.line = key, line
+
+
+def _strict_loader():
+    """yaml.SafeLoader that refuses a key repeated in one mapping (SafeLoader keeps the last one silently)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' may be overridden on purpose
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, key_node.start_mark.line + 1)
+                    seen.add(key)
+                except TypeError:  # unhashable key: SafeLoader reports it below
+                    pass
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
 def builtin_recipes() -> dict[str, Path]:
     return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"))}
 
@@ -331,6 +358,8 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
 
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
+        if p.is_dir():
+            raise UsageError(f"recipe {p} is a directory", "give a path to a YAML file or a built-in name (qtk recipes list)")
         if not p.is_file():
             raise UsageError(f"recipe file {p} does not exist", "give a path to a YAML file or a built-in name (qtk recipes list)")
         path = p
@@ -339,9 +368,15 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         if str(name_or_path) not in known:
             raise UsageError(f"unknown recipe '{name_or_path}'", f"built-in recipes: {', '.join(known)}; or give a path to a YAML file")
         path = known[str(name_or_path)]
-    text = path.read_text()
     try:
-        doc = yaml.safe_load(text)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"recipe {path.name} is not UTF-8 text (byte {e.start})", "re-save it as UTF-8 YAML") from None
+    try:
+        doc = yaml.load(text, Loader=_strict_loader())
+    except _DuplicateKey as e:
+        raise UsageError(f"recipe {path.name}: key '{e.key}' appears twice in one mapping (line {e.line})",
+                         "keep one; YAML would silently use the last") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
