@@ -39,6 +39,22 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _write_error(e: BaseException, out: Path) -> UsageError | None:
+    """A full disk or a write refused while writing the output is the user's to fix: one line, not a traceback."""
+    import errno
+
+    if not isinstance(e, OSError):
+        return None
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UsageError(f"no space left on the device while writing {out}; the partial output was removed",
+                          "free space there (the output needs about the quantized model's size) or choose another -o")
+    name = e.filename
+    inside = name is None or (isinstance(name, (str, os.PathLike)) and Path(out).resolve() in Path(name).resolve().parents)
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and inside:
+        return UsageError(f"cannot write to {out} ({e.strerror})", "choose a writable output directory with -o")
+    return None
+
+
 def _fsync_dir(d: Path) -> None:
     for p in d.iterdir():
         if p.is_file():
@@ -95,11 +111,16 @@ def convert(
     targets = list(dict.fromkeys(targets or ["vllm"]))
     if tp < 1 or pp < 1:
         raise UsageError(f"--tp and --pp must be >= 1 (got tp={tp}, pp={pp})", "use e.g. --tp 2")
+    for flag, v, least, example in (("--num-samples", num_samples, 1, 64), ("--seq-len", seq_len, 2, 256), ("--batch-size", batch_size, 1, 8)):
+        if v is not None and v < least:  # checked even when the recipe needs no calibration: a typo should not pass silently
+            raise UsageError(f"{flag} must be >= {least} (got {v})", f"use e.g. {flag} {example}")
     options = ExportOptions(max_shard_bytes=max_shard_bytes, tp=tp, pp=pp)
     writer_classes = {t: writer_for(t) for t in targets}
 
     source = ModelSource(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output {out} is a file", "-o names a directory (each target goes to OUT/<target>/): choose another path")
     src_abs, out_abs = source.path.resolve(), out.resolve()
     if out_abs == src_abs or src_abs in out_abs.parents:
         raise UsageError(f"output {out} is inside the model directory", "write the output somewhere else; qtk never modifies its input")
@@ -118,7 +139,9 @@ def convert(
         c = r.calibration
         spec = calib or c.dataset
         texts = load_texts(spec, text_field or c.text_field)
-        n, T, s = num_samples or c.num_samples, seq_len or c.seq_len, c.seed if seed is None else seed
+        n = c.num_samples if num_samples is None else num_samples
+        T = c.seq_len if seq_len is None else seq_len
+        s = c.seed if seed is None else seed
         if n <= 0 or T < 2:
             raise UsageError(f"--num-samples must be > 0 and --seq-len >= 2 (got {n}, {T})", "use e.g. --num-samples 64 --seq-len 256")
         max_pos = getattr(source.config, "max_position_embeddings", None)
@@ -200,15 +223,20 @@ def convert(
     except BaseException as e:
         for d in tmps.values():
             shutil.rmtree(d, ignore_errors=True)
+        write_error = _write_error(e, out)
         if state is not None:  # keep the per-layer state: `--resume` continues from it
             if isinstance(e, KeyboardInterrupt):
                 raise Interrupted(f"interrupted after {state.completed} of {source.num_layers} layers; partial state kept in {state.dir}",
                                   "rerun the same command with --resume to continue") from None
+            if write_error:
+                raise write_error from None
             raise
         try:
             out.rmdir()  # only if we created it and it is empty
         except OSError:
             pass
+        if write_error:
+            raise write_error from None
         raise
     if state is not None:
         state.discard()

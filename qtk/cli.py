@@ -31,7 +31,7 @@ LAZY_COMMANDS = {"plan": "qtk.plan.cli:plan", "eval": "qtk.eval.cli:eval_cmd"}
 
 
 class QtkGroup(click.Group):
-    """Turns qtk's own errors into one line and their exit code; Ctrl-C into exit 130."""
+    """Turns qtk's own errors and bad option values into one line and their exit code; Ctrl-C into exit 130."""
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
@@ -53,6 +53,12 @@ class QtkGroup(click.Group):
         signal.signal(signal.SIGTERM, on_term)
         try:
             return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # a bad option value: one line like qtk's own errors, not click's usage block
+            where = e.ctx.command_path if e.ctx else ctx.command_path
+            click.echo(f"error: {e.format_message()} — see '{where} --help'", err=True)
+            sys.exit(e.exit_code)
         except QtkError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
