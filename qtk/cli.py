@@ -104,9 +104,11 @@ def _console():
 @click.option("--allow-pickle", is_flag=True, help="Allow loading pickle (*.bin) weights. Only for sources you trust.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom model code from the model directory.")
 @click.option("--no-hash", is_flag=True, help="Skip hashing the source files for the manifest.")
+@click.option("--gate", "gate", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="After converting, gate every output against MODEL with this task file (like `qtk eval`); exit 1 if a gate fails. Reports go to OUT/gate-<target>.{json,xml,md}.")
 @click.option("--resume", is_flag=True, help="Save per-layer state in OUT/.qtk-resume and continue an interrupted run of the same command from its last finished layer.")
 def convert(model, recipe, out, targets, calib, text_field, num_samples, seq_len, seed, overwrite, tp, pp,
-            max_shard_size, batch_size, allow_pickle, trust_remote_code, no_hash, resume):
+            max_shard_size, batch_size, allow_pickle, trust_remote_code, no_hash, gate, resume):
     """Quantize MODEL (a local Hugging Face directory) with a recipe into engine-ready checkpoints."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -133,6 +135,24 @@ def convert(model, recipe, out, targets, calib, text_field, num_samples, seq_len
         for n in res.notes.get(t, []):
             click.echo(f"  note: {n}")
     click.echo(f"recipe {res.manifest['recipe']['name']} ({res.manifest['recipe']['summary']}) in {res.timings['total']:.1f}s")
+    if gate:
+        from pathlib import Path
+
+        from qtk.eval.api import run_gate
+        from qtk.eval.cli import _summary
+
+        failed = []
+        for t, path in res.outputs.items():
+            click.echo(f"gating {t} with {gate}", err=True)
+            base = Path(out) / f"gate-{t}"
+            result = run_gate(path, model, gate, json_path=f"{base}.json", junit=f"{base}.xml", markdown=f"{base}.md",
+                              progress=lambda m: click.echo(f"[qtk eval] {m}", err=True))
+            click.echo(_summary(result))
+            if not result.passed:
+                failed.append(t)
+        if failed:
+            click.echo(f"gate failed for: {', '.join(failed)}", err=True)
+            sys.exit(1)
 
 
 @main.command()
