@@ -2,7 +2,6 @@
 with the logits of qtk's own simulated model, and writes KV scales = amax/448 measured independently."""
 
 import json
-import shutil
 
 import pytest
 import torch

@@ -15,6 +15,16 @@ from qtk.quant.qtensor import QTensor
 from qtk.recipe import QuantScheme
 
 
+def config_quantization(path: Path) -> dict | None:
+    """config.json's quantization_config in a checkpoint directory; None when absent or unreadable."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return qc if isinstance(qc, dict) else None
+
+
 class Checkpoint:
     format: str = ""
 

@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
-from qtk.export.checkpoint import Checkpoint
+from qtk.export.checkpoint import Checkpoint, config_quantization
 from qtk.export.trtllm import AWQ_GROUP_SIZES, pack_int4_pairs, unpack_int4_pairs
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import FP8_MAX, QuantScheme
@@ -144,14 +144,7 @@ class ModelOptHFCheckpoint(Checkpoint):
 
     @staticmethod
     def detect(path: Path) -> bool:
-        p = path / "config.json"
-        if not p.is_file():
-            return False
-        try:
-            qc = json.loads(p.read_text()).get("quantization_config") or {}
-        except (json.JSONDecodeError, AttributeError):
-            return False
-        return qc.get("quant_method") == "modelopt"
+        return (config_quantization(path) or {}).get("quant_method") == "modelopt"
 
     def __init__(self, path: Path):
         super().__init__(path)

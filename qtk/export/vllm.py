@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
-from qtk.export.checkpoint import Checkpoint
+from qtk.export.checkpoint import Checkpoint, config_quantization
 from qtk.export.safetensors_io import ShardedWriter
 from qtk.quant.pack import pack_ct, pack_ct_zero_point, unpack_ct, unpack_ct_zero_point
 from qtk.quant.qtensor import QTensor
@@ -148,14 +148,7 @@ class CompressedTensorsCheckpoint(Checkpoint):
 
     @staticmethod
     def detect(path: Path) -> bool:
-        p = path / "config.json"
-        if not p.is_file():
-            return False
-        try:
-            qc = json.loads(p.read_text()).get("quantization_config") or {}
-        except json.JSONDecodeError:
-            return False
-        return qc.get("quant_method") == "compressed-tensors"
+        return (config_quantization(path) or {}).get("quant_method") == "compressed-tensors"
 
     def __init__(self, path: Path):
         super().__init__(path)
