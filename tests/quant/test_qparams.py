@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qtk.quant.qparams import FP8_DTYPE, fake_quant_activation, static_scale, weight_qparams
+from qtk.quant.qparams import FP8_DTYPE, fake_quant_activation, static_scale
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import QuantScheme
 
