@@ -328,3 +328,26 @@ def _expected_quantized(ck) -> list[str]:
     ignore = ck.ignore_patterns()
     names = [f"{arch.layers}.{i}.{lin}" for i in range(int(ck.hf_config["num_hidden_layers"])) for lin in arch.linears]
     return [n for n in names if not matches(n, ignore)]
+
+
+def plan(model: str | Path, recipe: str | Path | Recipe | None = None, *, gpu: str = "h100-80g", context: int = 4096,
+         concurrency: int = 8, tp: int = 1, recommend: bool = False, workload: str = "general"):
+    """Memory, throughput, cost and serving flags for `model` (a directory or its config.json) from the config alone.
+
+    recommend=True picks the recipe with the decision tree (qtk.plan.decide) and plans that one;
+    returns a qtk.plan.planner.Plan (its .decision holds the reasons when recommending)."""
+    from qtk.plan.decide import recommend as pick
+    from qtk.plan.hardware import get_gpu
+    from qtk.plan.memory import ModelShape, read_config
+    from qtk.plan.planner import Deployment, make_plan
+
+    shape = ModelShape.from_config(read_config(model))
+    dep = Deployment(gpu=get_gpu(gpu), context=context, concurrency=concurrency, tp=tp)
+    decision = None
+    if recommend:
+        decision = pick(shape, dep, workload=workload)
+        if decision.chosen is None:
+            raise CheckFailed(f"nothing fits: {decision.reason}", "use more GPUs (tp), a shorter context or fewer requests")
+        recipe = decision.recipe
+    r = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
+    return make_plan(shape, r, dep, decision=decision, recipe_name=decision.chosen if decision else None)
