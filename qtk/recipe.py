@@ -33,7 +33,7 @@ def _check_keys(d: Mapping, valid, where: str) -> None:
         raise UsageError(f"{where}: expected a mapping, got {type(d).__name__}", "write it as 'key: value' lines")
     for k in d:
         if not isinstance(k, str) or k not in valid:
-            raise UsageError(f"{where}: unknown key '{k}'", _suggest(str(k), valid))
+            raise UsageError(f"{where}: unknown key {k!r}", _suggest(str(k), valid))
 
 
 def _typed(d: Mapping, key: str, kind, where: str, default=None):
@@ -119,11 +119,11 @@ class QuantScheme:
 
     def _validate(self, where: str, role: str) -> None:
         if self.type not in TYPES:
-            raise UsageError(f"{where}.type: '{self.type}' is not a quantization type", "use 'int' or 'float'")
+            raise UsageError(f"{where}.type: {self.type!r} is not a quantization type", "use 'int' or 'float'")
         if self.strategy not in STRATEGIES:
-            raise UsageError(f"{where}.strategy: unknown strategy '{self.strategy}'", f"use one of {', '.join(STRATEGIES)}")
+            raise UsageError(f"{where}.strategy: unknown strategy {self.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
         if self.observer not in OBSERVERS:
-            raise UsageError(f"{where}.observer: unknown observer '{self.observer}'", f"use one of {', '.join(OBSERVERS)}")
+            raise UsageError(f"{where}.observer: unknown observer {self.observer!r}", f"use one of {', '.join(OBSERVERS)}")
         if self.is_fp8:
             if self.num_bits != 8:
                 raise UsageError(f"{where}.num_bits: float quantization is fp8 (e4m3) only, got {self.num_bits}", "set num_bits: 8")
@@ -277,7 +277,7 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
         else:
             raise UsageError(f"{where}: a step is a name or '{{name: {{params}}}}'", "e.g. '- gptq: {damp_percent: 0.01}'")
         if not isinstance(sname, str) or sname not in STEP_PARAMS:
-            raise UsageError(f"{where}: unknown algorithm '{sname}'", f"use one of {', '.join(sorted(STEP_PARAMS))}")
+            raise UsageError(f"{where}: unknown algorithm {sname!r}", f"use one of {', '.join(sorted(STEP_PARAMS))}")
         steps.append(Step(sname, parse_step_params(sname, sparams, f"{where}.{sname}")))
     names = [s.name for s in steps]
     if len(set(names)) != len(names):
@@ -301,7 +301,7 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
             try:
                 re.compile(p[3:])
             except (re.error, OverflowError, RecursionError) as e:
-                raise UsageError(f"{origin}: ignore pattern '{p}' is not a valid regex ({e})", "fix the pattern") from None
+                raise UsageError(f"{origin}: ignore pattern {p!r} is not a valid regex ({e})", "fix the pattern") from None
 
     calib = doc.get("calibration")
     calibration = Calibration.parse(calib, f"{origin}: calibration") if calib is not None else Calibration()
@@ -366,7 +366,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     else:
         known = builtin_recipes()
         if str(name_or_path) not in known:
-            raise UsageError(f"unknown recipe '{name_or_path}'", f"built-in recipes: {', '.join(known)}; or give a path to a YAML file")
+            raise UsageError(f"unknown recipe {str(name_or_path)!r}", f"built-in recipes: {', '.join(known)}; or give a path to a YAML file")
         path = known[str(name_or_path)]
     try:
         text = path.read_text(encoding="utf-8")
@@ -375,7 +375,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     try:
         doc = yaml.load(text, Loader=_strict_loader())
     except _DuplicateKey as e:
-        raise UsageError(f"recipe {path.name}: key '{e.key}' appears twice in one mapping (line {e.line})",
+        raise UsageError(f"recipe {path.name}: key {e.key!r} appears twice in one mapping (line {e.line})",
                          "keep one; YAML would silently use the last") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -123,6 +123,8 @@ def scratch(tmp_path_factory):
 @example(doc={"name": "x", "weights": {"num_bits": 8, "symmetric": None}})  # was silently asymmetric
 @example(doc={"name": "x", "weights": {"num_bits": None}})  # was "intNone is not supported"
 @example(doc={"name": "x", "weights": {"num_bits": 8}, "ignore": ["re:a{99999999999}"]})  # re.compile OverflowError
+@example(doc={"\n": None})  # a key with a newline made a two-line error
+@example(doc={"name": "x", "weights": {"num_bits": 8, "strategy": "a\nb"}, "algorithm": [{"rtn": {"\n": 1}}]})
 def test_random_documents_parse_or_fail_cleanly(scratch, doc):
     text = yaml.safe_dump(doc, allow_unicode=True)
     direct = _valid_or_qtk_error(lambda: parse_recipe(doc, text, "fuzz.yaml"))

@@ -105,7 +105,7 @@ def parse_step_params(name: str, raw: Any, where: str):
 
             close = difflib.get_close_matches(str(k), list(valid), n=1)
             hint = f"did you mean '{close[0]}'?" if close else (f"valid keys: {', '.join(valid)}" if valid else f"{name} takes no parameters")
-            raise UsageError(f"{where}: unknown key '{k}'", hint)
+            raise UsageError(f"{where}: unknown key {k!r}", hint)
         default = valid[k].default
         want = type(default) if default is not MISSING else type(v)
         if want is float and isinstance(v, int) and not isinstance(v, bool):
