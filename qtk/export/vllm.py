@@ -65,7 +65,8 @@ class VLLMWriter(Writer):
     def check(cls, source, recipe, options):
         notes = []
         if options.tp != 1 or options.pp != 1:
-            raise UsageError("--tp/--pp apply to the trtllm target only", "vLLM shards at load time: drop --tp for --target vllm")
+            notes.append(f"--tp {options.tp} --pp {options.pp} applies to the trtllm target; vLLM shards at load time "
+                         f"(serve with --tensor-parallel-size {options.tp})")
         if recipe.kv_cache is not None and not recipe.kv_cache.is_fp8:
             notes.append("vLLM has no INT8 KV cache with checkpoint scales: wrote FP8 KV scales (amax/448); "
                          "serve with --kv-cache-dtype fp8")
