@@ -193,3 +193,11 @@ def test_source_directory_is_never_modified(tiny_llama, tmp_path):
     before = {p.name: p.stat().st_mtime_ns for p in tiny_llama.iterdir()}
     api.convert(tiny_llama, "w8a16", tmp_path / "o", hash_source=True)
     assert {p.name: p.stat().st_mtime_ns for p in tiny_llama.iterdir()} == before
+
+
+def test_one_run_writes_vllm_and_sharded_trtllm(tiny_llama, calib_file, tmp_path):
+    res = api.convert(tiny_llama, "int8-kv8", tmp_path / "o", targets=["vllm", "trtllm"], tp=2, calib=str(calib_file),
+                      num_samples=4, seq_len=32, hash_source=False)
+    assert sorted(p.name for p in res.outputs["trtllm"].glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]
+    assert any("--tensor-parallel-size 2" in n for n in res.notes["vllm"])
+    assert api.inspect(res.outputs["vllm"]).ok and api.inspect(res.outputs["trtllm"]).ok
