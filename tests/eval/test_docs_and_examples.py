@@ -66,7 +66,7 @@ def test_gate_passes_int8_kv8_and_fails_broken_candidates_on_the_example_model(t
     from qtk import api
     from qtk.eval.api import run_gate
 
-    kw = dict(limit=60, bootstrap=500, cache_dir=tmp_path / "cache")
+    kw = dict(limit=40, bootstrap=500, cache_dir=tmp_path / "cache")
     good = api.convert(MODEL, "int8-kv8", tmp_path / "good", num_samples=16, seq_len=128).outputs["vllm"]
     res = run_gate(good, MODEL, TASKS, **kw)
     assert res.passed, res.failures
@@ -75,6 +75,16 @@ def test_gate_passes_int8_kv8_and_fails_broken_candidates_on_the_example_model(t
     assert res.contamination.status in ("clean", "overlap")
     assert all(v["overlapping"] == 0 for k, v in res.contamination.tasks.items() if k != "prose")
     assert res.contamination.tasks["prose"]["overlapping"] <= 2
+    # the baseline scores equal examples/eval_tiny_llama.py's, an evaluation written without qtk
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    import eval_tiny_llama
+
+    ref = eval_tiny_llama.evaluate(MODEL, EXAMPLES / "tasks", dtype="float32", limit=40)
+    for t in res.tasks:
+        want = ref[t.name]["value"] * (1 if t.metric == "perplexity" else 100)
+        assert t.baseline == pytest.approx(want, rel=1e-4), t.name
     (tmp_path / "w2.yaml").write_text("name: w2-broken\nweights: {num_bits: 2, type: int, symmetric: true, strategy: channel}\n"
                                       "algorithm: [rtn]\nignore: [lm_head]\n")
     bad = api.convert(MODEL, tmp_path / "w2.yaml", tmp_path / "bad").outputs["vllm"]
