@@ -228,15 +228,15 @@ def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: st
         notes.append("the checkpoint has no tokenizer files: used the baseline's")
     timings["tasks"] = time.perf_counter() - t0
 
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
     say("contamination check")
     t0 = time.perf_counter()
     manifest = ckpt.manifest
-    cont = contam.check(manifest, prepared)
+    cont = contam.check(manifest, prepared, cache_dir=root if use_cache else None)
     timings["contamination"] = time.perf_counter() - t0
 
     say("hashing baseline")
     t0 = time.perf_counter()
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
     digests = file_digests(base, root if use_cache else None)
     mhash = model_hash(digests)
     src = ((manifest or {}).get("source") or {}).get("files_sha256") or {}

@@ -12,8 +12,11 @@ qtk.calib.load_texts ('default' is calib_data/default.jsonl).
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from qtk.errors import UsageError
 
@@ -71,9 +74,23 @@ class ContaminationResult:
         return {**asdict(self), "overlapping": self.overlapping}
 
 
+def _cache_key(spec: str, text_field: str, prepared: list, n: int, threshold: float) -> str | None:
+    """A key for a local calibration file's result (its content hash and the examples), else None: remote datasets
+    are not cached, since their content can change under the same id."""
+    from qtk.calib import DEFAULT_CORPUS
+
+    path = DEFAULT_CORPUS if spec in ("default", "") else Path(spec)
+    if not path.is_file():
+        return None
+    examples = [[t.spec.name, [t.full_text(ex) for ex in t.examples]] for t in prepared]
+    blob = json.dumps([1, hashlib.sha256(path.read_bytes()).hexdigest(), text_field, n, threshold, examples])
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
 def check(manifest: dict | None, prepared: list, *, n: int = NGRAM, threshold: float = THRESHOLD,
-          text_field: str = "text") -> ContaminationResult:
-    """Compare the checkpoint's calibration texts with every evaluated example (few-shot prefixes excluded)."""
+          text_field: str = "text", cache_dir: Path | None = None) -> ContaminationResult:
+    """Compare the checkpoint's calibration texts with every evaluated example (few-shot prefixes excluded).
+    With cache_dir, the result for a local calibration file is kept under cache_dir/contamination/."""
     from qtk.calib import load_texts
 
     calib = (manifest or {}).get("calibration") or {}
@@ -82,8 +99,29 @@ def check(manifest: dict | None, prepared: list, *, n: int = NGRAM, threshold: f
     if not calib.get("used"):
         return ContaminationResult("skipped", message="the checkpoint was converted without calibration data")
     spec = calib.get("dataset") or "default"
+    field_ = calib.get("text_field") or text_field
+    key = _cache_key(spec, field_, prepared, n, threshold) if cache_dir else None
+    entry = Path(cache_dir) / "contamination" / f"{key}.json" if key else None
+    if entry is not None and entry.is_file():
+        try:
+            return ContaminationResult(**json.loads(entry.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+    result = _check(spec, field_, prepared, n, threshold, load_texts)
+    if entry is not None and result.status in ("clean", "overlap"):
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(asdict(result)))
+            os.replace(tmp, entry)
+        except OSError:
+            pass  # a cache that cannot be written only costs time
+    return result
+
+
+def _check(spec: str, text_field: str, prepared: list, n: int, threshold: float, load_texts) -> ContaminationResult:
     try:
-        texts = load_texts(spec, calib.get("text_field") or text_field)
+        texts = load_texts(spec, text_field)
     except UsageError as e:
         return ContaminationResult("unchecked", spec, message=f"cannot read the calibration data to compare: {e.problem}")
     index = CalibrationIndex(texts, n)

@@ -74,6 +74,34 @@ def _kl_to_reference(logp: torch.Tensor, ref_lp: torch.Tensor, ref_ix: torch.Ten
     return kl.clamp_min(0)
 
 
+class StepwiseKV:
+    """A checkpoint's KV-cache quantizer made incremental while decoding. The cache hands attention every position so
+    far; quantization is elementwise with a fixed per-tensor scale, so the positions quantized on earlier steps are kept
+    and only the new ones are quantized, which gives the same tensors as quantizing the whole cache every step."""
+
+    def __init__(self, quant):
+        self.quant = quant
+        self.decoding = False
+        self.k = self.v = None
+
+    def start(self) -> None:
+        self.decoding, self.k, self.v = True, None, None
+
+    def stop(self) -> None:
+        self.decoding, self.k, self.v = False, None, None
+
+    def __call__(self, key, value):
+        if not self.decoding:
+            return self.quant(key, value)
+        n = 0 if self.k is None else self.k.shape[-2]
+        if n and key.shape[:2] == self.k.shape[:2] and key.shape[-2] > n:
+            k_new, v_new = self.quant(key[..., n:, :], value[..., n:, :])
+            self.k, self.v = torch.cat([self.k, k_new], dim=-2), torch.cat([self.v, v_new], dim=-2)
+        else:  # prefill, or a cache that did not simply grow (e.g. a sliding window): quantize it all
+            self.k, self.v = self.quant(key, value)
+        return self.k, self.v
+
+
 class HFEngine:
     """A transformers causal LM, in float32 by default, on CPU or GPU."""
 
@@ -88,6 +116,7 @@ class HFEngine:
         cfg = model.config
         self.vocab = int(cfg.vocab_size)
         self.max_len = int(getattr(cfg, "max_position_embeddings", None) or 2048)
+        self._kv_hooks: list[StepwiseKV] = []
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         if pad is None:
             pad = tokenizer.eos_token_id if tokenizer is not None and tokenizer.eos_token_id is not None else 0
@@ -114,11 +143,18 @@ class HFEngine:
     @classmethod
     def candidate(cls, ckpt, tokenizer, **kw) -> "HFEngine":
         """A written checkpoint as its target engine runs it (weights from disk, simulated activation and KV quantization)."""
-        from qtk.model.simulate import build_simulated_model
+        from qtk.model.simulate import build_simulated_model, set_kv_hook
 
         model = build_simulated_model(ckpt, simulate_activations=True, simulate_kv=True,
                                       dtype=getattr(torch, kw.get("dtype", "float32")))
-        return cls(model, tokenizer, **kw)
+        eng = cls(model, tokenizer, **kw)
+        for m in model.modules():
+            hook = getattr(m, "_qtk_kv_hook", None)
+            if hook is not None:
+                step = StepwiseKV(hook)
+                set_kv_hook(m, step)
+                eng._kv_hooks.append(step)
+        return eng
 
     def close(self) -> None:
         del self.model
@@ -235,9 +271,15 @@ class HFEngine:
             for b, r in enumerate(rows):  # left padding: every prompt ends where generation starts
                 ids[b, T - len(r):] = torch.tensor(r)
                 mask[b, T - len(r):] = 1
-            with torch.inference_mode():
-                gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                          generation_config=gc_, stopping_criteria=_stop_on(self.tokenizer, stop, T))
+            for h in self._kv_hooks:
+                h.start()
+            try:
+                with torch.inference_mode():
+                    gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                              generation_config=gc_, stopping_criteria=_stop_on(self.tokenizer, stop, T))
+            finally:
+                for h in self._kv_hooks:
+                    h.stop()
             for b, i in enumerate(idx):
                 text = self.tokenizer.decode(gen[b, T:].tolist(), skip_special_tokens=True)
                 out[i] = cut_at_stop(text, stop)

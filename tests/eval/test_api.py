@@ -200,3 +200,28 @@ def test_a_tensorrt_llm_checkpoint_is_gated_with_its_int8_kv_cache(ckpts, tiny_l
     assert vl.candidate["kv_cache"] == "fp8"
     assert res.tasks[0].baseline == vl.tasks[0].baseline  # one baseline, two engines' caches
     assert res.tasks[0].candidate != vl.tasks[0].candidate
+
+
+def test_contamination_result_is_cached_per_calibration_file_content(tmp_path, monkeypatch):
+    import qtk.calib
+    from qtk.eval import contamination
+    from qtk.eval.tasks import load_task_file, prepare
+
+    from models import write_jsonl
+
+    calib = write_jsonl(tmp_path / "calib.jsonl", [{"text": "Q: 1+2= 3\nsort: 2 1 -> 1 2"}])
+    write_jsonl(tmp_path / "g.jsonl", [{"prompt": "Q: 1+2=", "reference": " 3"}, {"prompt": "Q: 1+3=", "reference": " 4"}])
+    (tmp_path / "t.yaml").write_text("tasks: [{name: g, type: generate, data: g.jsonl}]")
+    prepared = [prepare(t) for t in load_task_file(tmp_path / "t.yaml").tasks]
+    manifest = {"calibration": {"used": True, "dataset": str(calib)}}
+    first = contamination.check(manifest, prepared, cache_dir=tmp_path / "c")
+    assert first.status == "overlap" and first.tasks["g"]["first"] == [0]
+
+    def no_read(*a, **kw):
+        raise AssertionError("cached: the calibration texts must not be read again")
+
+    monkeypatch.setattr(qtk.calib, "load_texts", no_read)
+    assert contamination.check(manifest, prepared, cache_dir=tmp_path / "c").to_dict() == first.to_dict()
+    write_jsonl(calib, [{"text": "Q: 1+3= 4"}])  # new content: a new key, so the check runs again
+    with pytest.raises(AssertionError, match="must not be read again"):
+        contamination.check(manifest, prepared, cache_dir=tmp_path / "c")

@@ -206,3 +206,23 @@ def test_vllm_engine_runs_or_says_why_not(ckpts):
     with pytest.raises(UsageError) as e:
         VLLMEngine(ckpts["int8-kv8"], kv_cache="fp8")
     assert why in str(e.value) and "--engine hf" in e.value.fix
+
+
+def test_stepwise_kv_quantization_while_decoding_equals_quantizing_the_whole_cache():
+    from qtk.eval.engines import StepwiseKV
+    from qtk.model.simulate import kv_fake_quant
+
+    g = torch.Generator().manual_seed(0)
+    full_k, full_v = torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g)
+    for kind in ("fp8", "int8"):
+        quant = kv_fake_quant(kind, 0.01, 0.02)
+        step = StepwiseKV(quant)
+        step.start()
+        for t in (7, 8, 9, 12):  # prefill of 7 positions, then the cache grows
+            k, v = step(full_k[..., :t, :], full_v[..., :t, :])
+            want_k, want_v = quant(full_k[..., :t, :], full_v[..., :t, :])
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        k, _ = step(full_k[..., :5, :], full_v[..., :5, :])  # a new prompt: starts over
+        assert torch.equal(k, quant(full_k[..., :5, :], full_v[..., :5, :])[0])
+        step.stop()
+        assert step.k is None and torch.equal(step(full_k, full_v)[0], quant(full_k, full_v)[0])
