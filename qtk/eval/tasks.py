@@ -506,12 +506,12 @@ class Requests:
 
 
 def encoder(tokenizer):
-    """text -> ids without special tokens, and the prefix every sequence starts with: BOS when the model has one
-    (as qtk's calibration windows do, and as inference does)."""
+    """texts -> ids without special tokens (one batched tokenizer call), and the prefix every sequence starts with:
+    BOS when the model has one (as qtk's calibration windows do, and as inference does)."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
-    def enc(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    def enc(texts: list[str]) -> list[list[int]]:
+        return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]] if texts else []
 
     return enc, bos
 
@@ -521,10 +521,11 @@ def build_requests(task: PreparedTask, tokenizer) -> Requests:
     spec = task.spec
     r = Requests(spec.type)
     if spec.type == "perplexity":
-        r.seqs = [bos + enc(ex["text"]) for ex in task.examples]
+        r.seqs = [bos + ids for ids in enc([ex["text"] for ex in task.examples])]
         if any(len(s) < 2 for s in r.seqs):
             raise UsageError(f"task '{spec.name}': a text has fewer than 2 tokens", "remove empty texts from the data")
     elif spec.type == "multiple_choice":
+        parts = []  # (example, choice, context, continuation)
         for i, ex in enumerate(task.examples):
             ctx = task.context(ex)
             for j, choice in enumerate(ex["choices"]):
@@ -532,18 +533,21 @@ def build_requests(task: PreparedTask, tokenizer) -> Requests:
                 n_trail = len(c) - len(c.rstrip(" "))
                 if n_trail:  # as lm-eval: a trailing space belongs to the continuation, where tokenizers put it
                     c, cont = c[:-n_trail], c[-n_trail:] + cont
-                ctx_ids = enc(c)
-                whole = enc(c + cont)
-                cont_ids = whole[len(ctx_ids):] if whole[: len(ctx_ids)] == ctx_ids else enc(cont)
-                if not cont_ids:
-                    raise UsageError(f"task '{spec.name}': example {i} choice {j} is empty after tokenization", "give non-empty choices")
-                r.pairs.append((bos + ctx_ids, cont_ids))
-                r.owner.append((i, j))
-                r.choice_bytes.append(len(choice.encode()))
+                parts.append((i, j, c, cont))
+        ctx_ids = enc([c for _, _, c, _ in parts])
+        wholes = enc([c + cont for _, _, c, cont in parts])
+        for (i, j, c, cont), cids, whole in zip(parts, ctx_ids, wholes):
+            cont_ids = whole[len(cids):] if whole[: len(cids)] == cids else enc([cont])[0]
+            if not cont_ids:
+                raise UsageError(f"task '{spec.name}': example {i} choice {j} is empty after tokenization", "give non-empty choices")
+            r.pairs.append((bos + cids, cont_ids))
+            r.owner.append((i, j))
+            r.choice_bytes.append(len(task.examples[i]["choices"][j].encode()))
     else:
-        r.prompts = [bos + enc(task.context(ex)) for ex in task.examples]
+        r.prompts = [bos + ids for ids in enc([task.context(ex) for ex in task.examples])]
         if spec.max_new_tokens:
             r.max_new_tokens = spec.max_new_tokens
         else:  # enough for the longest reference and a little more; the stop strings end it earlier
-            r.max_new_tokens = min(512, max(len(enc(spec.target_delimiter + ex["reference"])) for ex in task.examples) + 8)
+            refs = enc([spec.target_delimiter + ex["reference"] for ex in task.examples])
+            r.max_new_tokens = min(512, max(len(x) for x in refs) + 8)
     return r

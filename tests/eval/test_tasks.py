@@ -137,8 +137,8 @@ class CharTok:
 
     bos_token_id = 1
 
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[ord(c) for c in t] for t in texts]}
 
 
 def test_requests_put_trailing_context_space_into_the_continuation_and_start_with_bos(tmp_path):
