@@ -218,14 +218,14 @@ def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: st
     tokenizer = load_tokenizer(base)
     requests = [build_requests(p, tokenizer) for p in prepared]
     cand_tok = tokenizer
-    if has_tokenizer(cand) and not same_tokenizer_files(cand, base):
+    if not has_tokenizer(cand):
+        notes.append("the checkpoint has no tokenizer files: used the baseline's")
+    elif not same_tokenizer_files(cand, base):
         cand_tok = load_tokenizer(cand)
         for p, r in zip(prepared, requests):
             if build_requests(p, cand_tok).digest() != r.digest():
                 raise UsageError(f"the candidate's tokenizer tokenizes task '{p.spec.name}' differently from the baseline's",
                                  "the checkpoint should carry the baseline's tokenizer files; reconvert or copy them")
-    else:
-        notes.append("the checkpoint has no tokenizer files: used the baseline's")
     timings["tasks"] = time.perf_counter() - t0
 
     root = Path(cache_dir) if cache_dir else default_cache_dir()

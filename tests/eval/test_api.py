@@ -28,6 +28,7 @@ def test_gate_passes_int8_kv8_and_fails_a_2bit_candidate(ckpts, tiny_llama, task
     ppl = {t.name: t for t in good.tasks}["ppl"]
     assert ppl.candidate != ppl.baseline and ppl.recovery > 0.95
     assert 0 < good.agreement.kl < 0.05 and good.agreement.top1 > 80
+    assert not any("tokenizer" in n for n in good.notes)
     bad = _gate(ckpts["w2"], tiny_llama, task_dir / "tasks.yaml", cache)
     assert not bad.passed and bad.exit_code == 1
     # a random model is nearly uniform, so its perplexity hardly moves; the agreement metrics see the damage
@@ -225,3 +226,14 @@ def test_contamination_result_is_cached_per_calibration_file_content(tmp_path, m
     write_jsonl(calib, [{"text": "Q: 1+3= 4"}])  # new content: a new key, so the check runs again
     with pytest.raises(AssertionError, match="must not be read again"):
         contamination.check(manifest, prepared, cache_dir=tmp_path / "c")
+
+
+def test_a_checkpoint_without_tokenizer_files_is_evaluated_with_the_baselines(ckpts, tiny_llama, task_dir, cache, tmp_path):
+    import shutil
+
+    d = tmp_path / "vllm"
+    shutil.copytree(ckpts["int8-kv8"], d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (d / f).unlink(missing_ok=True)
+    res = _gate(d, tiny_llama, task_dir / "tasks.yaml", cache, tasks=["ppl"])
+    assert any("no tokenizer files" in n for n in res.notes)
