@@ -162,18 +162,32 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, **CHILD_ENV}
 
 
+# A parent's memory counts in its child's ru_maxrss: the child starts as a copy of the parent (fork, or vfork
+# sharing its memory) and Linux keeps that high-water mark across exec. This process holds torch and models, so
+# the measured command is started by a bare interpreter, whose own few MB are then the floor.
+_LAUNCH = """import json, os, sys, time
+t0 = time.perf_counter()
+pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)
+_, status, ru = os.wait4(pid, 0)
+out = {"wall_s": time.perf_counter() - t0, "maxrss_kb": ru.ru_maxrss, "exit": os.waitstatus_to_exitcode(status)}
+with open(sys.argv[1], "w") as f:
+    json.dump(out, f)
+"""
+
+
 def run_measured(args: list[str], log: Path) -> tuple[float, int]:
     """(wall seconds, peak RSS bytes) of a child, from the kernel's rusage for it. Output goes to `log`, not a
     pipe: llm-compressor logs enough to fill a pipe buffer and block before it is read."""
+    res = log.with_suffix(".rusage.json")
+    res.unlink(missing_ok=True)
     with open(log, "w") as f:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=_child_env())
-        _, status, ru = os.wait4(p.pid, 0)
-        wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
+        subprocess.run([sys.executable, "-S", "-c", _LAUNCH, str(res), *args], stdout=f, stderr=subprocess.STDOUT,
+                       env=_child_env(), check=False)
+    r = json.loads(res.read_text()) if res.is_file() else {"exit": "no result"}
+    if r["exit"] != 0:
         tail = log.read_text().strip().splitlines()[-15:]
-        raise RuntimeError(f"{' '.join(args[:3])} ... failed; last lines of {log}:\n" + "\n".join(tail))
-    return wall, ru.ru_maxrss * 1024
+        raise RuntimeError(f"{' '.join(args[:3])} ... failed (exit {r['exit']}); last lines of {log}:\n" + "\n".join(tail))
+    return r["wall_s"], r["maxrss_kb"] * 1024
 
 
 def convert_qtk(model: Path, ids: Path, scheme: str, out: Path, log: Path, batch_size: int) -> dict:
@@ -288,6 +302,7 @@ def main():
 
     work = a.work
     t_bench = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     try:
         llmc_versions = ensure_llmc_venv(work)
     except LlmcUnavailable as e:
@@ -353,7 +368,9 @@ def main():
         "command": " ".join([".venv/bin/python", "benchmarks/vs_llmcompressor.py", *sys.argv[1:]]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": {"qtk_venv": _versions(), "llmcompressor_venv": llmc_versions, "python": sys.version.split()[0]},
-        "machine": {"cpus": os.cpu_count(), "note": "2 shared cores; other jobs ran beside this benchmark, so times are noisy"},
+        "machine": {"cpus": os.cpu_count(), "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
+                    "loadavg_1_5_15_at_start": load_start,
+                    "note": "shared cores: other jobs may run beside this benchmark, so compare the paired ratios"},
         "settings": {"num_samples": a.num_samples, "seq_len": a.seq_len, "seed": a.seed, "repeats": a.repeats,
                      "batch_size": bs, "child_env": CHILD_ENV, "qtk_recipes": {s: QTK_RECIPES[s] for s in a.schemes},
                      "calib_ids_sha256_16": hashes, "calibration_corpus": "calib_data/default.jsonl"},
