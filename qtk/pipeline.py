@@ -190,6 +190,26 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
     return result, next_batches
 
 
+def _release_freed_memory() -> None:
+    """Hand memory freed with the last layer back to the OS. glibc keeps freed heap chunks (and raises its
+    mmap threshold after large frees), so without this RSS creeps up layer by layer although nothing is held."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim  # noqa: B018 (not glibc: no trim)
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
+
+
 @dataclass
 class PipelineStats:
     """Small per-layer records kept for the manifest (reports, plots), not the tensors."""
@@ -254,6 +274,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
         for s in sinks:
             s.add_layer(result)
         stats.record(result)
+        _release_freed_memory()
         if resume is not None:
             resume.save_layer(result, None if batches is None else [h for h, _ in batches])
         del result
