@@ -320,17 +320,8 @@ def main():
     if not (big_dir / "config.json").is_file():
         print(f"building the random timing model in {big_dir}", flush=True)
         make_tiny_model(big_dir, layers=a.layers, hidden=1024, intermediate=2816, heads=16, kv_heads=4)
-    if (TINY / "config.json").is_file() and any(TINY.glob("*.safetensors")):
-        ppl_dir, ppl_model = work / "tiny-llama", "examples/tiny-llama (trained)"
-        shutil.rmtree(ppl_dir, ignore_errors=True)  # a snapshot: both tools read the same files, whatever changes there
-        shutil.copytree(TINY, ppl_dir)
-    else:  # the trained example is not shipped yet: a random model of its shape keeps the harness running
-        ppl_dir, ppl_model = work / "random-tiny-llama", "random model of tiny-llama's shape (examples/tiny-llama absent)"
-        if not (ppl_dir / "config.json").is_file():
-            make_tiny_model(ppl_dir, layers=4, hidden=128, intermediate=512, heads=4, kv_heads=2, head_dim=32)
-    models = {"timing": big_dir, "perplexity": ppl_dir}
-    ids_files = {k: work / f"calib-ids-{k}.pt" for k in models}
-    hashes = {k: make_ids(m, ids_files[k], a.num_samples, a.seq_len, a.seed) for k, m in models.items()}
+    ids_files = {k: work / f"calib-ids-{k}.pt" for k in ("timing", "perplexity")}
+    hashes = {"timing": make_ids(big_dir, ids_files["timing"], a.num_samples, a.seq_len, a.seed)}
 
     def out_dir(name):
         d = work / name
@@ -347,6 +338,19 @@ def main():
                 m = runs[tool](big_dir, ids_files["timing"], s, out_dir(f"out-{tool}-{s}-timing"), work / f"{tool}-{s}-timing-{r}.log", bs[tool])
                 result[s]["timing"][tool].append(m)
                 print(f"{s:13s} run {r + 1}/{a.repeats} {tool:13s} {m['wall_s']:7.1f} s  {m['peak_rss'] / 1e6:7.0f} MB", flush=True)
+
+    # chosen after the timing runs, so a tiny-llama that finishes training meanwhile is used
+    if all((TINY / f).is_file() for f in ("config.json", "tokenizer.json")) and any(TINY.glob("*.safetensors")):
+        ppl_dir, ppl_model = work / "tiny-llama", "examples/tiny-llama (trained)"
+        shutil.rmtree(ppl_dir, ignore_errors=True)  # a snapshot: both tools read the same files, whatever changes there
+        shutil.copytree(TINY, ppl_dir)
+    else:  # the trained example is not there: a random model of its shape keeps the harness running
+        ppl_dir, ppl_model = work / "random-tiny-llama", "random model of tiny-llama's shape (examples/tiny-llama absent)"
+        if not (ppl_dir / "config.json").is_file():
+            make_tiny_model(ppl_dir, layers=4, hidden=128, intermediate=512, heads=4, kv_heads=2, head_dim=32)
+    print(f"perplexity model: {ppl_model}", flush=True)
+    hashes["perplexity"] = make_ids(ppl_dir, ids_files["perplexity"], a.num_samples, a.seq_len, a.seed)
+    for s in a.schemes:
         for tool, convert in runs.items():
             d = out_dir(f"out-{tool}-{s}-ppl")
             m = convert(ppl_dir, ids_files["perplexity"], s, d, work / f"{tool}-{s}-ppl.log", bs[tool])
