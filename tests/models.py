@@ -67,3 +67,32 @@ def write_calib(path: Path, n: int = 40, seed: int = 0) -> Path:
 def write_jsonl(path: Path, rows) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# Peak RSS of a command, measured in a grandchild started by a bare interpreter. On exec the kernel
+# folds the old address space's high-water mark into the process's maxrss; a child forked or vforked
+# from a big process (a test holding models) would report that process's peak as its own.
+_LAUNCH = """import json, os, sys, time
+t0 = time.perf_counter()
+pid = os.posix_spawn(sys.argv[2], sys.argv[2:], dict(os.environ))
+_, status, ru = os.wait4(pid, 0)
+json.dump({"wall_s": time.perf_counter() - t0, "maxrss_kb": ru.ru_maxrss, "exit": os.waitstatus_to_exitcode(status)},
+          open(sys.argv[1], "w"))
+"""
+
+
+def run_measured(args: list[str]) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of `args` (args[0] an executable path); raises with its stderr on failure."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as td:
+        res = Path(td) / "rusage.json"
+        err = Path(td) / "stderr"
+        with open(err, "w") as e:
+            subprocess.run([sys.executable, "-S", "-c", _LAUNCH, str(res), *args], stdout=subprocess.DEVNULL, stderr=e, check=True)
+        r = json.loads(res.read_text())
+        if r["exit"] != 0:
+            raise RuntimeError(f"{args[0]} exited {r['exit']}: {err.read_text()[-2000:]}")
+    return r["wall_s"], r["maxrss_kb"] * 1024

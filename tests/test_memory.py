@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from models import make_tiny_model
+from models import make_tiny_model, run_measured
 
 WIDTH = dict(hidden=512, intermediate=1536, heads=8, kv_heads=4)
 
@@ -16,20 +16,11 @@ def layer_bytes(hidden, intermediate, heads, kv_heads, **_) -> int:
 
 
 def peak_rss_of_convert(model, out, recipe, calib) -> int:
-    """Peak RSS (bytes) of a separate `qtk convert` process, from the kernel's rusage of that child. Spawned
-    with posix_spawn: a forked child's peak would include the test process's pages inherited before exec."""
-    import tempfile
-
+    """Peak RSS (bytes) of a separate `qtk convert` process (see models.run_measured for how it is measured)."""
     exe = os.path.join(os.path.dirname(sys.executable), "qtk")
-    args = [exe, "convert", str(model), "--recipe", recipe, "-o", str(out), "--num-samples", "8", "--seq-len", "64",
-            "--calib", str(calib), "--no-hash"]
-    with tempfile.TemporaryFile() as err:
-        pid = os.posix_spawn(exe, args, dict(os.environ), file_actions=[
-            (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0), (os.POSIX_SPAWN_DUP2, err.fileno(), 2)])
-        _, status, rusage = os.wait4(pid, 0)
-        err.seek(0)
-        assert os.waitstatus_to_exitcode(status) == 0, err.read().decode()
-    return rusage.ru_maxrss * 1024
+    _, peak = run_measured([exe, "convert", str(model), "--recipe", recipe, "-o", str(out), "--num-samples", "8",
+                            "--seq-len", "64", "--calib", str(calib), "--no-hash"])
+    return peak
 
 
 @pytest.mark.parametrize("recipe", ["int8-kv8"])
