@@ -1,0 +1,54 @@
+"""Calibration sources: the shipped corpus, .jsonl/.txt/.parquet files and a local dataset directory all
+give deterministic token windows; the same text through different containers gives the same windows."""
+
+import pytest
+
+from qtk.calib import DEFAULT_CORPUS, calibration_ids, load_texts
+from qtk.errors import UsageError
+
+TEXTS = [f"sample {i}: " + "the quick brown fox jumps over the lazy dog " * 3 for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_llama))
+
+
+def test_containers_give_the_same_windows(tmp_path, tok):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from models import write_jsonl
+
+    write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS])
+    (tmp_path / "c.txt").write_text("\n\n".join(TEXTS))
+    pq.write_table(pa.table({"text": TEXTS}), tmp_path / "c.parquet")
+    datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(str(tmp_path / "ds"))
+    sources = [tmp_path / "c.jsonl", tmp_path / "c.txt", tmp_path / "c.parquet", tmp_path / "ds"]
+    windows = [calibration_ids(tok, load_texts(str(s)), 6, 32, seed=3) for s in sources]
+    assert [load_texts(str(s)) for s in sources] == [TEXTS] * 4
+    for w in windows[1:]:
+        assert (w == windows[0]).all()
+    assert windows[0].shape == (6, 32) and (windows[0][:, 0] == tok.bos_token_id).all()
+    other = calibration_ids(tok, TEXTS, 6, 32, seed=4)
+    assert not (other == windows[0]).all()  # the seed matters
+
+
+def test_text_field_selects_the_column(tmp_path):
+    from models import write_jsonl
+
+    write_jsonl(tmp_path / "c.jsonl", [{"body": t, "id": i} for i, t in enumerate(TEXTS)])
+    assert load_texts(str(tmp_path / "c.jsonl"), text_field="body") == TEXTS
+    with pytest.raises(UsageError, match="--text-field"):
+        load_texts(str(tmp_path / "c.jsonl"))
+
+
+def test_default_corpus_is_shipped_with_provenance():
+    assert DEFAULT_CORPUS.is_file(), "calib_data/default.jsonl is shipped"
+    texts = load_texts("default")
+    assert len(texts) >= 100 and all(isinstance(t, str) and t for t in texts)
+    readme = (DEFAULT_CORPUS.parent / "README.md").read_text().lower()
+    assert "licen" in readme and "seed" in readme
