@@ -295,6 +295,9 @@ def main():
     ap.add_argument("--llmc-batch-size", type=int, default=1, help="llm-compressor oneshot's default")
     ap.add_argument("--ppl-texts", type=int, default=200)
     ap.add_argument("--work", type=Path, default=HERE / "results" / "tmp" / "vs_llmcompressor", help="models, ids, outputs, logs")
+    ap.add_argument("--rss-depths", type=int, nargs="*", default=[],
+                    help="also one w4a16-gptq run per tool on random models of these depths (same width): peak RSS "
+                         "against depth, since qtk's should stay flat and llm-compressor's grow with the model")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "vs_llmcompressor.json")
     a = ap.parse_args()
 
@@ -338,6 +341,22 @@ def main():
                 m = runs[tool](big_dir, ids_files["timing"], s, out_dir(f"out-{tool}-{s}-timing"), work / f"{tool}-{s}-timing-{r}.log", bs[tool])
                 result[s]["timing"][tool].append(m)
                 print(f"{s:13s} run {r + 1}/{a.repeats} {tool:13s} {m['wall_s']:7.1f} s  {m['peak_rss'] / 1e6:7.0f} MB", flush=True)
+
+    by_depth = []
+    for n in a.rss_depths:
+        d = work / f"random-llama-{n}L"
+        if not (d / "config.json").is_file():
+            make_tiny_model(d, layers=n, hidden=1024, intermediate=2816, heads=16, kv_heads=4)
+        ids = work / f"calib-ids-{n}L.pt"
+        make_ids(d, ids, a.num_samples, a.seq_len, a.seed)
+        row = {"layers": n, "safetensors_mb": shape_of(d)["safetensors_mb"]}
+        for tool, convert in runs.items():
+            m = convert(d, ids, "w4a16-gptq", out_dir(f"out-{tool}-depth"), work / f"{tool}-depth-{n}L.log", bs[tool])
+            row[tool] = {"wall_s": round(m["wall_s"], 2), "peak_rss_mb": round(m["peak_rss"] / 1e6, 1)}
+        row["rss_ratio"] = round(row["qtk"]["peak_rss_mb"] / row["llmcompressor"]["peak_rss_mb"], 3)
+        by_depth.append(row)
+        print(f"depth {n:3d} ({row['safetensors_mb']:.0f} MB): qtk {row['qtk']['peak_rss_mb']:.0f} MB, "
+              f"llmcompressor {row['llmcompressor']['peak_rss_mb']:.0f} MB, ratio {row['rss_ratio']:.3f}", flush=True)
 
     # chosen after the timing runs, so a tiny-llama that finishes training meanwhile is used
     if all((TINY / f).is_file() for f in ("config.json", "tokenizer.json")) and any(TINY.glob("*.safetensors")):
@@ -414,6 +433,8 @@ def main():
                               "perplexity": q["perplexity"] <= l["perplexity"]}
         report["schemes"][s] = entry
         rows.append((s, q, l, ratios))
+    if by_depth:
+        report["rss_by_depth_w4a16_single_runs"] = by_depth
     report["benchmark_wall_s"] = round(time.perf_counter() - t_bench, 1)
 
     print()
