@@ -23,17 +23,18 @@ INT_BITS = (2, 4, 8)  # packable into int32 words without straddling; engines ru
 FP8_MAX = 448.0  # float8_e4m3fn
 
 
-def _suggest(key: str, valid) -> str:
+def suggest_key(key: str, valid) -> str:
     close = difflib.get_close_matches(key, list(valid), n=1)
     return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(valid))}"
 
 
-def _check_keys(d: Mapping, valid, where: str) -> None:
+def check_keys(d: Mapping, valid, where: str) -> None:
+    """Refuse a non-mapping or a key outside `valid`, suggesting the closest valid key (shared by task files)."""
     if not isinstance(d, Mapping):
         raise UsageError(f"{where}: expected a mapping, got {type(d).__name__}", "write it as 'key: value' lines")
     for k in d:
         if not isinstance(k, str) or k not in valid:
-            raise UsageError(f"{where}: unknown key {k!r}", _suggest(str(k), valid))
+            raise UsageError(f"{where}: unknown key {k!r}", suggest_key(str(k), valid))
 
 
 def _typed(d: Mapping, key: str, kind, where: str, default=None):
@@ -102,7 +103,7 @@ class QuantScheme:
 
     @classmethod
     def parse(cls, d: Mapping, where: str, role: str) -> "QuantScheme":
-        _check_keys(d, {f.name for f in fields(cls)}, where)
+        check_keys(d, {f.name for f in fields(cls)}, where)
         if d.get("num_bits") is None:
             raise UsageError(f"{where}: missing key 'num_bits'", "add e.g. 'num_bits: 8'")
         s = cls(
@@ -180,7 +181,7 @@ class Calibration:
 
     @classmethod
     def parse(cls, d: Mapping, where: str) -> "Calibration":
-        _check_keys(d, {f.name for f in fields(cls)}, where)
+        check_keys(d, {f.name for f in fields(cls)}, where)
         c = cls(
             dataset=_typed(d, "dataset", str, where, "default"),
             num_samples=_typed(d, "num_samples", int, where, 64),
@@ -249,7 +250,7 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
 
     if not isinstance(doc, Mapping):
         raise UsageError(f"{origin}: a recipe is a YAML mapping, got {type(doc).__name__}", "start with 'name:' and 'weights:' keys")
-    _check_keys(doc, TOP_KEYS, origin)
+    check_keys(doc, TOP_KEYS, origin)
     name = _typed(doc, "name", str, origin)
     if not name:
         raise UsageError(f"{origin}: missing key 'name'", "add 'name: my-recipe'")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from qtk.errors import UsageError
+from qtk.recipe import check_keys
 
 TYPES = ("perplexity", "multiple_choice", "generate")
 # the fields every example of a type has after the field mapping
@@ -25,21 +26,6 @@ TYPE_FIELDS = {"perplexity": ("text",), "multiple_choice": ("context", "choices"
 METRICS = {"perplexity": ("perplexity",), "multiple_choice": ("acc", "acc_norm"), "generate": ("exact_match",)}
 LIMIT_KEYS = ("max_drop", "min_recovery")
 AGREEMENT_KEYS = ("max_kl", "min_top1", "max_ppl_ratio")
-
-
-def _suggest(key: str, valid) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(key, list(valid), n=1)
-    return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(valid))}"
-
-
-def _check_keys(d: Any, valid, where: str) -> None:
-    if not isinstance(d, Mapping):
-        raise UsageError(f"{where}: expected a mapping, got {type(d).__name__}", "write it as 'key: value' lines")
-    for k in d:
-        if k not in valid:
-            raise UsageError(f"{where}: unknown key '{k}'", _suggest(str(k), valid))
 
 
 def _num(d: Mapping, key: str, where: str, kind=float, positive=False):
@@ -65,7 +51,7 @@ class Limit:
     def parse(cls, d: Any, where: str) -> "Limit":
         if d is None:
             return cls()
-        _check_keys(d, LIMIT_KEYS, where)
+        check_keys(d, LIMIT_KEYS, where)
         lim = cls(max_drop=_num(d, "max_drop", where), min_recovery=_num(d, "min_recovery", where, positive=True))
         if lim.max_drop is not None and lim.max_drop < 0:
             raise UsageError(f"{where}.max_drop: must be >= 0 (got {lim.max_drop})", "a drop limit is a non-negative number of points")
@@ -146,7 +132,7 @@ TASK_KEYS = {f.name for f in fields(TaskSpec)} - {"base_dir"}
 
 
 def parse_task(d: Any, where: str, defaults: Mapping, base_dir: Path) -> TaskSpec:
-    _check_keys(d, TASK_KEYS, where)
+    check_keys(d, TASK_KEYS, where)
     merged = {**defaults, **d}
     if "gate" in defaults and "gate" in d and isinstance(defaults["gate"], Mapping) and isinstance(d["gate"], Mapping):
         merged["gate"] = {**defaults["gate"], **d["gate"]}
@@ -168,7 +154,7 @@ def parse_task(d: Any, where: str, defaults: Mapping, base_dir: Path) -> TaskSpe
     flds = merged.get("fields") or {}
     if not isinstance(flds, Mapping):
         raise UsageError(f"{where}.fields: expected a mapping target -> column", "e.g. fields: {prompt: question, reference: answer}")
-    _check_keys(flds, TYPE_FIELDS[typ], f"{where}.fields")
+    check_keys(flds, TYPE_FIELDS[typ], f"{where}.fields")
     for k, v in flds.items():
         ok = isinstance(v, str) or (k == "choices" and isinstance(v, list) and all(isinstance(x, str) for x in v))
         if not ok:
@@ -223,11 +209,11 @@ def load_task_file(path: str | Path) -> TaskFile:
         doc = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise UsageError(f"task file {p} is not valid YAML ({str(e).splitlines()[0]})", "fix the YAML syntax") from None
-    _check_keys(doc, ("version", "defaults", "agreement", "tasks"), p.name)
+    check_keys(doc, ("version", "defaults", "agreement", "tasks"), p.name)
     if doc.get("version", 1) != 1:
         raise UsageError(f"{p.name}: version {doc.get('version')} is not supported", "this qtk reads task files of version 1")
     defaults = doc.get("defaults") or {}
-    _check_keys(defaults, TASK_KEYS - {"name"}, f"{p.name}: defaults")
+    check_keys(defaults, TASK_KEYS - {"name"}, f"{p.name}: defaults")
     raw = doc.get("tasks")
     if not isinstance(raw, list) or not raw:
         raise UsageError(f"{p.name}: 'tasks' must be a non-empty list", "add e.g. 'tasks: [{name: ppl, type: perplexity, data: ppl.jsonl}]'")
@@ -237,7 +223,7 @@ def load_task_file(path: str | Path) -> TaskFile:
     if dup:
         raise UsageError(f"{p.name}: task name(s) used twice: {', '.join(dup)}", "give every task its own name")
     ag = doc.get("agreement") or {}
-    _check_keys(ag, (*AGREEMENT_KEYS, "kl_topk"), f"{p.name}: agreement")
+    check_keys(ag, (*AGREEMENT_KEYS, "kl_topk"), f"{p.name}: agreement")
     agreement = Agreement(max_kl=_num(ag, "max_kl", "agreement"), min_top1=_num(ag, "min_top1", "agreement"),
                           max_ppl_ratio=_num(ag, "max_ppl_ratio", "agreement", positive=True),
                           kl_topk=_num(ag, "kl_topk", "agreement", int, positive=True) or 256)
