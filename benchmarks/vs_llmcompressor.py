@@ -283,6 +283,18 @@ def shape_of(model: Path) -> dict:
             "safetensors_mb": round(sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e6, 1)}
 
 
+def snapshot_tiny(work: Path) -> tuple[Path | None, str]:
+    """A copy of examples/tiny-llama when it is complete, so both tools read the same files whatever changes there."""
+    import shutil
+
+    if not (all((TINY / f).is_file() for f in ("config.json", "tokenizer.json")) and any(TINY.glob("*.safetensors"))):
+        return None, ""
+    d = work / "tiny-llama"
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(TINY, d)
+    return d, "examples/tiny-llama (trained)"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="runs per tool and scheme on the timing model (median)")
@@ -323,6 +335,8 @@ def main():
     if not (big_dir / "config.json").is_file():
         print(f"building the random timing model in {big_dir}", flush=True)
         make_tiny_model(big_dir, layers=a.layers, hidden=1024, intermediate=2816, heads=16, kv_heads=4)
+    # snapshot now, or after the timing runs if a tiny-llama is being (re)trained meanwhile
+    ppl_dir, ppl_model = snapshot_tiny(work)
     ids_files = {k: work / f"calib-ids-{k}.pt" for k in ("timing", "perplexity")}
     hashes = {"timing": make_ids(big_dir, ids_files["timing"], a.num_samples, a.seq_len, a.seed)}
 
@@ -358,12 +372,8 @@ def main():
         print(f"depth {n:3d} ({row['safetensors_mb']:.0f} MB): qtk {row['qtk']['peak_rss_mb']:.0f} MB, "
               f"llmcompressor {row['llmcompressor']['peak_rss_mb']:.0f} MB, ratio {row['rss_ratio']:.3f}", flush=True)
 
-    # chosen after the timing runs, so a tiny-llama that finishes training meanwhile is used
-    if all((TINY / f).is_file() for f in ("config.json", "tokenizer.json")) and any(TINY.glob("*.safetensors")):
-        ppl_dir, ppl_model = work / "tiny-llama", "examples/tiny-llama (trained)"
-        shutil.rmtree(ppl_dir, ignore_errors=True)  # a snapshot: both tools read the same files, whatever changes there
-        shutil.copytree(TINY, ppl_dir)
-    else:  # the trained example is not there: a random model of its shape keeps the harness running
+    ppl_dir, ppl_model = snapshot_tiny(work) if ppl_dir is None else (ppl_dir, ppl_model)
+    if ppl_dir is None:  # the trained example is not there: a random model of its shape keeps the harness running
         ppl_dir, ppl_model = work / "random-tiny-llama", "random model of tiny-llama's shape (examples/tiny-llama absent)"
         if not (ppl_dir / "config.json").is_file():
             make_tiny_model(ppl_dir, layers=4, hidden=128, intermediate=512, heads=4, kv_heads=2, head_dim=32)
