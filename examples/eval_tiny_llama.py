@@ -141,8 +141,9 @@ def evaluate(model_dir: Path, tasks_dir: Path, dtype: str = "auto", batch_size: 
             res = {"metric": "perplexity", "value": perplexity(model, tokenizer, rows, batch_size)}
         else:
             raise ValueError(f"{path}: unrecognised fields {sorted(rows[0])}")
-        res.update(n=len(rows), seconds=round(time.time() - t0, 1))
+        res["n"] = len(rows)
         results[path.stem] = res
+        print(f"  {path.stem}: {time.time() - t0:.1f}s", file=sys.stderr)
     results["_meta"] = {"model": str(model_dir), "dtype": str(model.dtype), "torch": torch.__version__}
     return results
 
