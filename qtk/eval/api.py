@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -159,6 +160,7 @@ def engine_settings(engine: str, device: str | None, dtype: str, batch_size: int
 
         dev = device if device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
         s = {"engine": "hf", "device": dev.split(":")[0], "dtype": dtype, "batch_size": batch_size,
+             "threads": torch.get_num_threads() if dev == "cpu" else None,  # CPU kernels may block sums by thread count
              "torch": torch.__version__.split("+")[0], "transformers": md.version("transformers")}
     else:
         import vllm
@@ -172,10 +174,36 @@ def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: st
              cache_dir: str | Path | None = None, use_cache: bool = True, batch_size: int = 16, device: str | None = None,
              dtype: str = "float32", bootstrap: int = 2000, tasks: list[str] | None = None,
              json_path: str | Path | None = None, junit: str | Path | None = None, markdown: str | Path | None = None,
-             plot: str | Path | None = None, progress: Callable[[str], None] | None = None) -> GateResult:
+             plot: str | Path | None = None, progress: Callable[[str], None] | None = None,
+             threads: int | None = None) -> GateResult:
     """Evaluate the written checkpoint `candidate_dir` against the original model `baseline_dir` on the tasks of
     `tasks_file` and judge it. Returns the GateResult (its .passed / .exit_code is the verdict) after writing the
-    requested reports; raises UsageError for bad input."""
+    requested reports; raises UsageError for bad input. `threads` sets torch's CPU threads for the run (on a
+    shared or small machine, 1 is often fastest for small models)."""
+    opts = dict(locals())
+    with _torch_threads(opts.pop("threads")):
+        return _run_gate(**opts)
+
+
+@contextmanager
+def _torch_threads(n: int | None):
+    if n is None:
+        yield
+        return
+    if n < 1:
+        raise UsageError(f"--threads must be >= 1 (got {n})", "use e.g. --threads 1")
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, strict, strict_heldout, cache_dir, use_cache,
+              batch_size, device, dtype, bootstrap, tasks, json_path, junit, markdown, plot, progress) -> GateResult:
     from qtk.eval import contamination as contam
     from qtk.eval.cache import BaselineCache, default_cache_dir, entry_key, file_digests, model_hash
     from qtk.eval.engines import ENGINES

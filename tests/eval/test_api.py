@@ -237,3 +237,13 @@ def test_a_checkpoint_without_tokenizer_files_is_evaluated_with_the_baselines(ck
         (d / f).unlink(missing_ok=True)
     res = _gate(d, tiny_llama, task_dir / "tasks.yaml", cache, tasks=["ppl"])
     assert any("no tokenizer files" in n for n in res.notes)
+
+
+def test_threads_apply_to_the_run_only_and_key_the_cache(ckpts, tiny_llama, task_dir, cache):
+    import torch
+
+    before = torch.get_num_threads()
+    res = _gate(ckpts["int8-kv8"], tiny_llama, task_dir / "tasks.yaml", cache, tasks=["ppl"], threads=2)
+    assert res.engine["threads"] == 2 and torch.get_num_threads() == before
+    again = _gate(ckpts["int8-kv8"], tiny_llama, task_dir / "tasks.yaml", cache, tasks=["ppl"], threads=2)
+    assert again.engine["baseline_cached"] == ["ppl"]

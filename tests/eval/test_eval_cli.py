@@ -33,6 +33,8 @@ def test_usage_errors_exit_2(ckpts, tiny_llama, task_dir, tmp_path):
     assert r.exit_code == 2 and "--baseline" in r.output
     r = _run(tiny_llama, "--baseline", tiny_llama, "--tasks", task_dir / "tasks.yaml")
     assert r.exit_code == 2 and "not a checkpoint qtk can read" in r.output
+    r = _run(ckpts["int8-kv8"], "--baseline", tiny_llama, "--tasks", task_dir / "tasks.yaml", "--threads", 0)
+    assert r.exit_code == 2 and "--threads must be >= 1" in r.output
 
 
 def test_vllm_engine_without_vllm_or_gpu_is_a_usage_error(ckpts, tiny_llama, task_dir, tmp_path):
