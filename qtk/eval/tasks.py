@@ -170,7 +170,8 @@ def parse_task(d: Any, where: str, defaults: Mapping, base_dir: Path) -> TaskSpe
         try:
             re.compile(regex)
         except re.error as e:
-            raise UsageError(f"{where}.regex: invalid regular expression ({e})", "fix the pattern; its first group (or whole match) is the answer") from None
+            raise UsageError(f"{where}.regex: invalid regular expression ({e})",
+                             "fix the pattern; its first group (or whole match) is the answer") from None
     stop = merged.get("stop", ["\n"])
     if isinstance(stop, str):
         stop = [stop]
@@ -407,7 +408,8 @@ def prepare(spec: TaskSpec, *, limit: int | None = None, seed: int | None = None
     if spec.data:
         path = Path(spec.base_dir) / spec.data
         if path.suffix != ".jsonl":
-            raise UsageError(f"{where}.data: {spec.data} is not a .jsonl file", "use data: for .jsonl files and dataset: for dataset directories or ids")
+            raise UsageError(f"{where}.data: {spec.data} is not a .jsonl file",
+                             "use data: for .jsonl files and dataset: for dataset directories or ids")
         rows = [_map_row(r, spec, i, path.name) for i, r in enumerate(_read_jsonl(path, where))]
     elif spec.dataset:
         rows = [_map_row(r, spec, i, spec.dataset) for i, r in enumerate(_read_dataset(spec, spec.split))]

@@ -4,8 +4,8 @@ import random
 
 import pytest
 import torch
-
 from models import write_jsonl
+
 from qtk import api
 
 NS, T = 8, 64  # calibration windows: small, the numbers only need to be consistent

@@ -204,11 +204,11 @@ def test_a_tensorrt_llm_checkpoint_is_gated_with_its_int8_kv_cache(ckpts, tiny_l
 
 
 def test_contamination_result_is_cached_per_calibration_file_content(tmp_path, monkeypatch):
+    from models import write_jsonl
+
     import qtk.calib
     from qtk.eval import contamination
     from qtk.eval.tasks import load_task_file, prepare
-
-    from models import write_jsonl
 
     calib = write_jsonl(tmp_path / "calib.jsonl", [{"text": "Q: 1+2= 3\nsort: 2 1 -> 1 2"}])
     write_jsonl(tmp_path / "g.jsonl", [{"prompt": "Q: 1+2=", "reference": " 3"}, {"prompt": "Q: 1+3=", "reference": " 4"}])

@@ -3,7 +3,6 @@
 import builtins
 
 import pytest
-
 from models import write_jsonl
 
 from qtk.errors import UsageError
