@@ -11,7 +11,10 @@ Schemes, as llm-compressor spells them (benchmarks/_llmc_driver.py) and the qtk 
   w8a8-sq-gptq  SmoothQuantModifier(0.8) + GPTQModifier(scheme="W8A8")   int8 channel weights, dynamic per-token
                 int8 activations; SmoothQuant then GPTQ
 GPTQ settings are llm-compressor's defaults on both sides: block 128, dampening 0.01, act-order "static"
-(qtk: actorder + static_groups, which writes the same "weight"-ordered checkpoint).
+(qtk: actorder + static_groups, which writes the same "weight"-ordered checkpoint). What still differs: qtk's
+GPTQ is true-sequential inside a layer (q/k/v, o, gate/up, down each see the quantized earlier sub-blocks),
+llm-compressor takes all of a layer's Hessians in one pass; qtk's SmoothQuant also smooths up -> down (and
+v -> o without GQA), llm-compressor's Llama mappings only the two norms, with 2x the weight range in s.
 
 Two models:
   time and memory: a random bf16 Llama from tests/models.py (default 8 layers, hidden 1024, intermediate 2816,
@@ -22,7 +25,8 @@ Two models:
 
 Calibration ids are computed once per model with qtk.calib.calibration_ids on calib_data/default.jsonl, saved,
 and fed unchanged to both tools (qtk: qtk.pipeline.run with the ids; llm-compressor: a pre-tokenized dataset).
-Each conversion runs in its own process, model loading included; peak RSS is that child's ru_maxrss. qtk writes
+Each conversion runs in its own process, model loading included; peak RSS is that child's ru_maxrss, started
+from a bare interpreter (Linux would otherwise count this process's own RSS as the child's: see run_measured). qtk writes
 the vllm (compressed-tensors) target without hashing the source files (convert --no-hash), since
 llm-compressor does not hash either; llm-compressor saves a compressed checkpoint (save_compressed=True).
 Perplexity of every checkpoint is computed by the same code, in this process: qtk's reader and simulated model
