@@ -70,7 +70,7 @@ def test_architecture_and_files(model):
 
 
 def test_generates_one_line(model, tokenizer):
-    ids = tokenizer("reverse: abcd ->", return_tensors="pt")["input_ids"]
+    ids = tokenizer("sort: 3 1 2 5 4 ->", return_tensors="pt")["input_ids"]
     out = model.generate(ids, do_sample=False, max_new_tokens=20)
     text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     # generation_config stops at the newline that ends every example (the answer itself is
