@@ -79,7 +79,7 @@ def _damped_hinv(H: torch.Tensor, params: GPTQParams, name: str) -> tuple[torch.
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params: GPTQParams,
-                  dtype: torch.dtype | None = None, name: str = "") -> tuple[QTensor, dict]:
+                  dtype: torch.dtype | None = None, name: str = "", loss: bool = True) -> tuple[QTensor, dict]:
     """Quantize W [out, in] against the Hessian H [in, in] of its inputs (see accumulate_hessian).
 
     dtype: the model dtype (int scales are rounded to it; default W's). name: for log and error messages.
@@ -131,14 +131,14 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
 
     Hinv, damp, retries = _damped_hinv(H, params, label)  # Hinv [in, in], upper triangular
 
-    def column_qparams(j: int):
-        """(scale, zero) [out|1, 1] for the column at (possibly permuted) position j."""
-        if dynamic_groups:
-            return gscales[-1], gzeros[-1]
+    # per-column scale / zero of a block, [out|1, count]: filled up front for fixed qparams, at each group
+    # start for dynamic groups (a group may start in an earlier block: its qparams carry over)
+    def fixed_block_qparams(i1: int, i2: int):
         if g is None:
             return scale.reshape(-1, 1), None if zero is None else zero.reshape(-1, 1)
-        grp = (int(perm[j]) if perm is not None else j) // g
-        return scale[:, grp:grp + 1], None if zero is None else zero[:, grp:grp + 1]
+        cols = torch.arange(i1, i2, device=W.device) if perm is None else perm[i1:i2]
+        grp = cols // g  # [count], the original group of each visited column
+        return scale[:, grp], None if zero is None else zero[:, grp]
 
     Qv = torch.zeros_like(W)  # quantized values (ints, or fp8 values) as float32 [out, in]
     Qd = torch.zeros_like(W)  # dequantized [out, in]
@@ -149,10 +149,19 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
         count = i2 - i1
         W1 = W[:, i1:i2].clone()  # W1 [out, count]
         Q1 = torch.zeros_like(W1)
-        D1 = torch.zeros_like(W1)
         Err1 = torch.zeros_like(W1)
-        Losses1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
+        d1 = Hinv1.diagonal().tolist()
+        if dynamic_groups:
+            S1 = torch.empty_like(W1)  # [out, count]
+            Z1 = None if scheme.symmetric or scheme.is_fp8 else torch.empty_like(W1)
+            if i1 % g:  # the group that started in an earlier block goes on here
+                S1[:] = gscales[-1]
+                if Z1 is not None:
+                    Z1[:] = gzeros[-1]
+        else:
+            S1, Z1 = fixed_block_qparams(i1, i2)  # [out|1, count] (or [out|1, 1] per channel/tensor)
+        per_col = S1.shape[1] > 1
 
         for i in range(count):
             j = i1 + i
@@ -166,22 +175,23 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
                 s, z = weight_qparams(cols, col_scheme, scale_dtype)  # [out, 1]
                 gscales.append(s)
                 gzeros.append(z)
-            s, z = column_qparams(j)
-            w = W1[:, i]  # w [out]
-            d = Hinv1[i, i]
-            q = quantize_grouped(w.unsqueeze(1), s, z, scheme)  # [out, 1]
-            dq = dequantize_grouped(q, s, z).reshape(-1)
-            Q1[:, i] = q.float().reshape(-1)
-            D1[:, i] = dq
-            Losses1[:, i] = (w - dq) ** 2 / d**2 / 2
-            err1 = (w - dq) / d
-            W1[:, i:] -= err1.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err1
+                S1[:, i:i + g] = s
+                if Z1 is not None:
+                    Z1[:, i:i + g] = z
+            s = S1[:, i:i + 1] if per_col else S1
+            z = None if Z1 is None else (Z1[:, i:i + 1] if per_col else Z1)
+            w = W1[:, i:i + 1]  # w [out, 1]
+            q = quantize_grouped(w, s, z, scheme)  # [out, 1]
+            err1 = (w - dequantize_grouped(q, s, z)).div_(d1[i])  # [out, 1]
+            Q1[:, i:i + 1] = q
+            Err1[:, i:i + 1] = err1
+            if i + 1 < count:  # column i itself is done: only later columns need the update
+                W1[:, i + 1:].addmm_(err1, Hinv1[i:i + 1, i + 1:], alpha=-1)
 
         Qv[:, i1:i2] = Q1
-        Qd[:, i1:i2] = D1
-        loss_estimate += Losses1.sum().item()
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy batch update of the remaining columns
+        Qd[:, i1:i2] = dequantize_grouped(Q1, S1, Z1)  # elementwise, as each column's dq above
+        loss_estimate += Err1.square().sum().item() / 2  # Σ (w − q)²/[Hinv]²_jj / 2
+        W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1)  # lazy batch update of the remaining columns
 
     g_idx = None
     if dynamic_groups:
@@ -198,16 +208,51 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     values = Qv.to(torch.float8_e4m3fn) if scheme.is_fp8 else Qv.to(torch.int8)
     qt = QTensor(values, scale.float(), scheme, None if zero is None else zero.float(), g_idx, dtype)
 
-    dW = W0.float() - Qd  # dW [out, in]
-    H0 = H0.to(W.device, torch.float32)
+    def layer_loss() -> float:
+        dW = W0.float() - Qd  # dW [out, in]
+        return ((dW @ H0.to(W.device, torch.float32)) * dW).sum().item() / 2
+
     info = {
         "damp": damp,
         "damp_percent": damp / torch.diag(H).mean().item(),
         "retries": retries,
         "dead_columns": int(dead.sum()),
-        "loss": ((dW @ H0) * dW).sum().item() / 2,
+        "loss": layer_loss() if loss else None,  # loss=False: the caller splits it
         "loss_estimate": loss_estimate,
         "actorder": None if not params.actorder else ("group" if dynamic_groups else "weight"),
         "dequantized": Qd,
     }
     return qt, info
+
+
+def gptq_quantize_shared(Ws: list[torch.Tensor], H: torch.Tensor, scheme: QuantScheme, params: GPTQParams,
+                         dtype: torch.dtype | None = None, names: list[str] | None = None) -> list[tuple[QTensor, dict]]:
+    """GPTQ for Linears that share one input, hence one H (q/k/v; gate/up): one solve on the row-concatenated W.
+
+    Rows of W never interact in GPTQ (each row's error is spread over its own later columns through the same
+    Hinv), and the act-order permutation, dead columns and damping depend on H alone, so this equals one
+    gptq_quantize per weight, with the column loop and the Cholesky factorisations run once instead of len(Ws)
+    times. One difference, on purpose: a per-tensor scale is taken over the whole group, as engines fusing the
+    group need one scale (DESIGN.md §4). Returns (QTensor, info) per weight, info as gptq_quantize's, with loss
+    and dequantized per weight.
+    """
+    if len(Ws) == 1:
+        return [gptq_quantize(Ws[0], H, scheme, params, dtype, name=(names or [""])[0])]
+    name = ", ".join(names) if names else ""
+    W = torch.cat([w.float() for w in Ws], dim=0)  # W [sum out, in]
+    qt, info = gptq_quantize(W, H, scheme, params, dtype or Ws[0].dtype, name=name, loss=False)
+    H0 = H.to(W.device, torch.float32)
+    out, r0 = [], 0
+    for w in Ws:
+        r1 = r0 + w.shape[0]
+        rows = slice(r0, r1)
+        per_row = qt.scale.shape[0] > 1  # [out, *] scales split with the rows; a per-tensor [1] scale is shared
+        part = QTensor(qt.values[rows], qt.scale[rows] if per_row else qt.scale, scheme,
+                       None if qt.zero_point is None else (qt.zero_point[rows] if per_row else qt.zero_point),
+                       qt.g_idx, qt.dtype)
+        Qd = info["dequantized"][rows]
+        dW = w.float() - Qd  # dW [out_i, in]
+        out.append((part, {**info, "loss": ((dW @ H0) * dW).sum().item() / 2, "dequantized": Qd,
+                           "loss_estimate": None}))  # the paper's estimate is only tracked for the whole group
+        r0 = r1
+    return out

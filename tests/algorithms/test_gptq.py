@@ -267,3 +267,38 @@ def test_gptq_user_errors():
         gptq_quantize(W, H, QuantScheme(8), GPTQParams())
     with pytest.raises(ValueError, match="input features"):
         gptq_quantize(W, torch.eye(47), QuantScheme(8), GPTQParams())
+
+
+# ---- one solve for Linears sharing an input ----
+
+@pytest.mark.parametrize("actorder,static_groups", [(False, False), (True, False), (True, True)],
+                         ids=["ordered", "actorder", "actorder-static"])
+@pytest.mark.parametrize("name", list(MORE_SCHEMES))
+def test_shared_input_solve_equals_separate_solves(name, actorder, static_groups):
+    """q/k/v (or gate/up) solved as one row-concatenated W give what three separate solves give: GPTQ rows are
+    independent given H, and act-order depends on diag H only. Per-tensor scales are the exception: shared."""
+    from qtk.algorithms.gptq import gptq_quantize_shared
+
+    scheme = MORE_SCHEMES[name]
+    params = GPTQParams(block_size=64, actorder=actorder, static_groups=static_groups)
+    W, X = correlated_layer(seed=3, out=40)
+    Ws = [W[:24], W[24:32], W[32:]]  # unequal row counts, like q/k/v with GQA
+    H = hessian(X)
+    joint = gptq_quantize_shared(Ws, H, scheme, params, torch.bfloat16, names=["q", "k", "v"])
+    for w, (qt, info) in zip(Ws, joint):
+        ref, ref_info = gptq_quantize(w, H, scheme, params, torch.bfloat16)
+        if scheme.strategy == "tensor":  # one scale for the group, so only the shapes and the loss's meaning carry over
+            assert qt.scale.numel() == 1 and torch.equal(qt.scale, joint[0][0].scale)
+            dW = w - qt.dequantize()
+            assert info["loss"] == pytest.approx(((dW @ H) * dW).sum().item() / 2, rel=1e-4)
+            continue
+        # the same rows, the same column order and the same per-row updates: bit for bit the same
+        assert torch.equal(qt.values, ref.values)
+        assert torch.equal(qt.scale, ref.scale)
+        if ref.zero_point is not None:
+            assert torch.equal(qt.zero_point, ref.zero_point)
+        assert (qt.g_idx is None) == (ref.g_idx is None)
+        if ref.g_idx is not None:
+            assert torch.equal(qt.g_idx, ref.g_idx)
+        torch.testing.assert_close(qt.dequantize(), info["dequantized"], rtol=0, atol=0)
+        assert info["loss"] == pytest.approx(ref_info["loss"], rel=1e-3)
