@@ -200,7 +200,7 @@ def convert(
             "calibration": calib_info,
             "versions": _versions(),
             "stats": {"weight_error": stats.weight_error, "kv_amax": stats.kv_amax, "input_amax": stats.input_amax,
-                      "algorithm": stats.records},
+                      "algorithm": stats.records, **_expert_stats(stats, r, writers)},
             "timings": timings,
         }
         for t, w in zip(targets, writers):
@@ -242,6 +242,27 @@ def convert(
         state.discard()
     del torch
     return ConvertResult(outputs=finals, notes={w.target: w.notes for w in writers}, timings=timings, manifest=manifest)
+
+
+def _expert_stats(stats, recipe: Recipe, writers) -> dict:
+    """MoE: calibration tokens per expert, and the experts under the recipe's minimum, also as a note on every
+    output (README, manifest, CLI): an expert calibration barely reached has scales resting on little data."""
+    if not stats.expert_tokens:
+        return {}
+    from qtk.model.moe import starved_experts
+
+    n = recipe.calibration.min_expert_tokens
+    starved = starved_experts(stats.expert_tokens, n)
+    if starved:
+        total = sum(len(c) for c in stats.expert_tokens.values())
+        shown = ", ".join(f"{k} ({v})" for k, v in list(starved.items())[:8]) + (", ..." if len(starved) > 8 else "")
+        none = sum(1 for v in starved.values() if v == 0)
+        note = (f"{len(starved)} of {total} experts received fewer than {n} calibration tokens: {shown}"
+                + (f"; {none} received none (GPTQ used RTN for them, smoothing s = 1)" if none else "")
+                + "; raise --num-samples or use more varied calibration text")
+        for w in writers:
+            w.notes.append(note)
+    return {"expert_tokens": stats.expert_tokens, "min_expert_tokens": n, "starved_experts": starved}
 
 
 @dataclass
@@ -324,7 +345,7 @@ def _expected_quantized(ck) -> list[str]:
     from qtk.model.arch import arch_for
     from qtk.pipeline import matches
 
-    arch = arch_for(ck.hf_config.get("model_type"))
+    arch = arch_for(ck.hf_config.get("model_type"), ck.hf_config)
     ignore = ck.ignore_patterns()
     names = [f"{arch.layers}.{i}.{lin}" for i in range(int(ck.hf_config["num_hidden_layers"])) for lin in arch.linears]
     return [n for n in names if not matches(n, ignore)]

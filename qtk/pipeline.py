@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 import torch
 
 from qtk.errors import UsageError
+from qtk.model.moe import moe_blocks, report_starved_experts
 from qtk.model.simulate import KVAmax, QLinear, engine_weight, replace_module, set_kv_hook, use_qtk_attention
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import Recipe
@@ -168,7 +169,13 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
         if recipe.kv_cache is not None:
             kv = KVAmax()
             set_kv_hook(layer.get_submodule(arch.attn), kv)
+        blocks = moe_blocks(layer, arch)
+        for b in blocks.values():
+            b.reset_counts()
         next_batches = _forward_all(layer, batches)
+        if blocks:  # tokens each expert received on the calibration set (with the quantized layer upstream)
+            records["expert_tokens"] = {prefix + n: b.routed.tolist() for n, b in blocks.items()}
+            report_starved_experts(records["expert_tokens"], recipe.calibration.min_expert_tokens)
         if kv is not None:
             set_kv_hook(layer.get_submodule(arch.attn), None)
 
@@ -220,6 +227,7 @@ class PipelineStats:
     input_amax: dict[str, float] = field(default_factory=dict)
     kv_amax: dict[int, list[float]] = field(default_factory=dict)
     records: dict[int, dict] = field(default_factory=dict)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE block -> calibration tokens per expert
 
     def record(self, r: LayerResult) -> None:
         self.layers += 1
@@ -229,6 +237,7 @@ class PipelineStats:
             self.kv_amax[r.index] = [r.k_amax, r.v_amax]
         if r.records:
             self.records[r.index] = r.records
+            self.expert_tokens.update(r.records.get("expert_tokens", {}))
 
 
 def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, batch_size: int = 8,

@@ -178,6 +178,8 @@ class Calibration:
     seq_len: int = 256
     seed: int = 0
     text_field: str = "text"
+    # MoE: experts that receive fewer calibration tokens than this are reported (warning, manifest, notes)
+    min_expert_tokens: int = 64
 
     @classmethod
     def parse(cls, d: Mapping, where: str) -> "Calibration":
@@ -188,11 +190,14 @@ class Calibration:
             seq_len=_typed(d, "seq_len", int, where, 256),
             seed=_typed(d, "seed", int, where, 0),
             text_field=_typed(d, "text_field", str, where, "text"),
+            min_expert_tokens=_typed(d, "min_expert_tokens", int, where, 64),
         )
         if c.num_samples <= 0:
             raise UsageError(f"{where}.num_samples: must be positive, got {c.num_samples}", "use e.g. 64")
         if c.seq_len < 2:
             raise UsageError(f"{where}.seq_len: must be at least 2, got {c.seq_len}", "use e.g. 256")
+        if c.min_expert_tokens < 0:
+            raise UsageError(f"{where}.min_expert_tokens: must be >= 0, got {c.min_expert_tokens}", "use e.g. 64")
         return c
 
 

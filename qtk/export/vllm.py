@@ -60,6 +60,9 @@ class VLLMWriter(Writer):
         n_expected = len(source.weight_map) * 4 + 2 * source.num_layers + 16
         self.shards = ShardedWriter(self.dir, options.max_shard_bytes, n_expected)
         self.ignored: list[str] = [source.arch.lm_head]  # also when tied: it is a Linear the config must exclude
+        moe = source.arch.moe
+        if moe is not None:  # routers stay dense; excluded by pattern, as llm-compressor writes it
+            self.ignored.append(f"re:.*{moe.block}\\.{moe.router}$")
 
     @classmethod
     def check(cls, source, recipe, options):

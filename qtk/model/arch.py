@@ -3,7 +3,7 @@ fusion groups, smoothing pairs and TensorRT-LLM names. No isinstance or substrin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from qtk.errors import UsageError
 
@@ -18,6 +18,36 @@ class SmoothPair:
     prev: str  # a norm (weight /= s) or a Linear (rows /= s)
     nexts: tuple[str, ...]
     prev_is_norm: bool
+    # modules that read the same input but stay unquantized (an MoE router): s is folded into them too, so
+    # their float output does not change; they do not enter the choice of s
+    dense: tuple[str, ...] = ()
+    # the module whose input is the pair's input for every token (default nexts[0]; an MoE expert sees only
+    # the tokens routed to it, the router sees all of them)
+    observe: str | None = None
+
+    @property
+    def observed(self) -> str:
+        return self.observe or self.nexts[0]
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A sparse MoE block as checkpoints (and vLLM) hold it: one gate/up/down Linear per expert under
+    `{block}.experts.{e}.`, and a router Linear `{block}.{router}` that stays dense. transformers 5 fuses
+    the experts into 3-D parameters on load; qtk.model.moe splits them back into Linears."""
+
+    block: str  # "block_sparse_moe" (Mixtral) | "mlp" (Qwen3-MoE)
+    gate: str  # per-expert Linear names: the activated branch, the multiplied branch, the output
+    up: str
+    down: str
+    router: str = "gate"
+
+    def expert(self, e: int, which: str) -> str:
+        return f"{self.block}.experts.{e}.{which}"
+
+    @property
+    def router_name(self) -> str:
+        return f"{self.block}.{self.router}"
 
 
 @dataclass(frozen=True)
@@ -47,6 +77,11 @@ class Arch:
         "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_layernorm",
         O: "attention.dense", GATE: "mlp.fc", UP: "mlp.gate", DOWN: "mlp.proj",
     })
+    moe: MoE | None = None  # set for sparse-MoE families; arch_for then lists every expert's Linears
+    num_experts: int = 0
+    # Linears whose static input scale the engine takes as one (vLLM's fused MoE uses the max over experts
+    # of w13's and of w2's input scales): calibrated separately, written as the group's max
+    shared_input_scale: tuple[tuple[str, ...], ...] = ()
 
     def fusion_group_of(self, linear: str) -> tuple[str, ...]:
         return next((g for g in self.fusion_groups if linear in g), (linear,))
@@ -82,11 +117,63 @@ PHI3 = Arch(
     trtllm_architecture=None,
 )
 
-ARCHS: dict[str, Arch] = {mt: a for a in (LLAMA, QWEN2, QWEN3, GEMMA, PHI3) for mt in a.model_types}
+# Sparse MoE: attention as Llama's; the MLP is a router plus E experts. The expert Linears are filled in
+# per config by arch_for (with_experts). TensorRT-LLM is refused: qtk writes no MoE TensorRT-LLM checkpoint.
+MIXTRAL = Arch("mixtral", ("mixtral",), linears=(Q, K, V, O), fusion_groups=((Q, K, V),), smoothing=(),
+               trtllm_architecture=None, moe=MoE("block_sparse_moe", "w1", "w3", "w2"))
+QWEN3_MOE = Arch("qwen3_moe", ("qwen3_moe",), linears=(Q, K, V, O), fusion_groups=((Q, K, V),), smoothing=(),
+                 trtllm_architecture=None, moe=MoE("mlp", "gate_proj", "up_proj", "down_proj"))
+
+ARCHS: dict[str, Arch] = {mt: a for a in (LLAMA, QWEN2, QWEN3, GEMMA, PHI3, MIXTRAL, QWEN3_MOE) for mt in a.model_types}
 
 
-def arch_for(model_type: str | None) -> Arch:
+def num_experts(config: dict) -> int:
+    n = config.get("num_local_experts", config.get("num_experts"))
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UsageError(f"config.json of this {config.get('model_type')} model gives no expert count "
+                         "(num_local_experts / num_experts)", "restore the model's original config.json")
+    return n
+
+
+def with_experts(arch: Arch, config: dict) -> Arch:
+    """The MoE architecture for one config: every expert's Linears in data-flow order (all gate/up, then all
+    down: an expert's input never depends on another expert), gate/up fused per expert (vLLM's w13), the
+    post-attention norm smoothed into every expert's gate/up and folded into the router, up -> down per expert."""
+    m = arch.moe
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1) or 1) != 1:
+        raise UsageError(f"this {config.get('model_type')} config mixes dense and MoE layers (mlp_only_layers / "
+                         "decoder_sparse_step)", "qtk converts MoE models whose every layer is sparse; use another tool for this one")
+    if config.get("shared_expert_intermediate_size"):
+        raise UsageError("this MoE config has a shared expert, which qtk does not handle yet",
+                         "use a model without shared experts (Mixtral, Qwen3-MoE)")
+    E = num_experts(config)
+    gates = [m.expert(e, m.gate) for e in range(E)]
+    ups = [m.expert(e, m.up) for e in range(E)]
+    downs = [m.expert(e, m.down) for e in range(E)]
+    gate_up = tuple(x for e in range(E) for x in (gates[e], ups[e]))
+    return replace(
+        arch,
+        num_experts=E,
+        linears=arch.linears + gate_up + tuple(downs),
+        fusion_groups=arch.fusion_groups + tuple((gates[e], ups[e]) for e in range(E)),
+        smoothing=(
+            SmoothPair("input_layernorm", (Q, K, V), True),
+            SmoothPair(V, (O,), False),
+            SmoothPair("post_attention_layernorm", gate_up, True, dense=(m.router_name,), observe=m.router_name),
+            *(SmoothPair(ups[e], (downs[e],), False) for e in range(E)),
+        ),
+        shared_input_scale=(gate_up, tuple(downs)),
+    )
+
+
+def arch_for(model_type: str | None, config: dict | None = None) -> Arch:
+    """The architecture of a model_type; MoE families need the config (their Linears depend on the expert count)."""
     if model_type not in ARCHS:
         raise UsageError(f"model_type '{model_type}' is not supported",
                          f"supported: {', '.join(sorted(ARCHS))}")
-    return ARCHS[model_type]
+    arch = ARCHS[model_type]
+    if arch.moe is not None:
+        if config is None:
+            raise ValueError(f"arch_for({model_type!r}) needs the config: an MoE architecture depends on its expert count")
+        arch = with_experts(arch, config)
+    return arch

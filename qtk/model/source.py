@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from qtk.errors import UsageError
-from qtk.model.arch import Arch, arch_for
+from qtk.model.arch import ARCHS, Arch, arch_for
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -43,6 +43,11 @@ def meta_skeleton(config, trust_remote_code: bool = False, dtype=torch.float32):
     finally:
         torch.nn.Module.register_parameter = register
     model.tie_weights()  # the patched registration loses from_config's tying: lm_head must stay the embedding
+    arch = ARCHS.get(getattr(config, "model_type", None))
+    if arch is not None and arch.moe is not None:  # per-expert Linears, as checkpoints name them
+        from qtk.model.moe import unfuse_experts
+
+        unfuse_experts(model, arch)
     return model.eval()
 
 
@@ -77,7 +82,7 @@ class ModelSource:
                              "give the original unquantized (bf16/fp16) model")
         if "model_type" not in self.config_dict:
             raise UsageError(f"{cfg} has no model_type", "restore the model's original config.json (it names the architecture, e.g. 'llama')")
-        self.arch: Arch = arch_for(self.config_dict.get("model_type"))
+        self.arch: Arch = arch_for(self.config_dict.get("model_type"), self.config_dict)
         self._handles: dict[Path, object] = {}
         self.weight_map = self._index_weights()
 
