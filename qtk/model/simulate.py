@@ -30,11 +30,79 @@ class QLinear(torch.nn.Module):
         self.act = act
         self.register_buffer("input_scale", input_scale, persistent=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self._fused: tuple[FusedGEMM, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused[0](x, self._fused[1])
         if self.act is not None:
             x = fake_quant_activation(x, self.act, self.input_scale)
         return F.linear(x, self.weight, self.bias)
+
+
+class FusedGEMM:
+    """The engines run Linears that read one input (q/k/v, gate/up) as one GEMM on one quantized input. The
+    first member called computes every member's output; its siblings, called next with the same tensor, take
+    theirs. Members' weights become row slices of the fused weight (no second copy). Per-output-element
+    results equal separate Linears (each is the same dot product over the input; checked in the tests)."""
+
+    def __init__(self, members: list[QLinear]):
+        self.act, self.scale = members[0].act, members[0].input_scale
+        self.sizes = [m.out_features for m in members]
+        self.weight = torch.cat([m.weight.detach() for m in members])
+        biases = [m.bias for m in members]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(m.out_features, dtype=self.weight.dtype)
+             for b, m in zip(biases, members)])
+        r = 0
+        for i, m in enumerate(members):
+            m.weight = torch.nn.Parameter(self.weight[r: r + m.out_features], requires_grad=False)
+            if m.bias is not None:
+                m.bias = torch.nn.Parameter(self.bias[r: r + m.out_features], requires_grad=False)
+            r += m.out_features
+            m._fused = (self, i)
+        self.key, self.parts = None, None
+
+    @staticmethod
+    def can_fuse(members: list[QLinear]) -> bool:
+        """One input quantization serves all: same scheme and the same static scale (or none)."""
+        m0 = members[0]
+        return len(members) > 1 and all(
+            m.act == m0.act and m.in_features == m0.in_features and m.weight.dtype == m0.weight.dtype
+            and ((m.input_scale is None and m0.input_scale is None)
+                 or (m.input_scale is not None and m0.input_scale is not None and torch.equal(m.input_scale, m0.input_scale)))
+            for m in members)
+
+    def __call__(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        # inference-mode tensors keep no version counter; model code does not modify a Linear's input in place
+        version = -1 if x.is_inference() else x._version
+        if self.key is None or self.key[0] is not x or self.key[1] != version:
+            xq = fake_quant_activation(x, self.act, self.scale) if self.act is not None else x
+            y = F.linear(xq, self.weight, self.bias)
+            self.parts = [p.contiguous() for p in y.split(self.sizes, dim=-1)]
+            self.key = (x, version)
+        out = self.parts[i]
+        if i == len(self.sizes) - 1:  # the last member was served: let go of the input and the outputs
+            self.key, self.parts = None, None
+        return out
+
+
+def fuse_groups(model: torch.nn.Module, modules: list[str], groups) -> int:
+    """Fuse the QLinears of each fusion group (arch suffixes, e.g. self_attn.q_proj/k_proj/v_proj) of every layer.
+    Returns the number of groups fused."""
+    names = set(modules)
+    n = 0
+    for m in modules:
+        for g in groups:
+            if m.endswith("." + g[0]):
+                prefix = m[: -len(g[0])]
+                members = [prefix + x for x in g]
+                if all(x in names for x in members):
+                    mods = [model.get_submodule(x) for x in members]
+                    if all(isinstance(x, QLinear) for x in mods) and FusedGEMM.can_fuse(mods):
+                        FusedGEMM(mods)
+                        n += 1
+    return n
 
 
 def engine_weight(qt) -> torch.Tensor:
@@ -102,14 +170,14 @@ def kv_fake_quant(kind: str, k_scale: float, v_scale: float) -> Callable:
     round(x / scale) clamped to int8, times scale (TensorRT-LLM INT8)."""
 
     def q(x, s):
-        xf = x.float() / s
+        y = x.float().div(s) if x.dtype != torch.float32 else x.div(s)
         if kind == "fp8":
-            y = xf.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+            y = y.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
         elif kind == "int8":
-            y = torch.round(xf).clamp(-128, 127)
+            y = y.round_().clamp_(-128, 127)
         else:
             raise ValueError(f"unknown KV cache kind {kind!r}")
-        return (y * s).to(x.dtype)
+        return y.mul_(s).to(x.dtype)
 
     return lambda key, value: (q(key, k_scale), q(value, v_scale))
 
@@ -117,6 +185,14 @@ def kv_fake_quant(kind: str, k_scale: float, v_scale: float) -> Callable:
 def replace_module(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def _fusion_groups(model_type: str, config: dict) -> tuple:
+    from qtk.model.arch import ARCHS, arch_for
+
+    if model_type not in ARCHS:  # a checkpoint of a family qtk does not convert: simulate module by module
+        return ()
+    return arch_for(model_type, {**config, "model_type": model_type}).fusion_groups
 
 
 def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_kv: bool = True,
@@ -150,6 +226,7 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
         lin = model.get_submodule(m)
         scale = ckpt.input_scale(m) if act is not None and not act.dynamic else None
         replace_module(model, m, QLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), act, scale))
+    fuse_groups(model, modules, _fusion_groups(model_type, cfg_dict))
     use_qtk_attention(model)
     if simulate_kv and ckpt.kv_cache:
         for i, layer in enumerate(model.model.layers):

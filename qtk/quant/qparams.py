@@ -143,21 +143,25 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
 # ---- activations (simulated exactly as the engines quantize them at run time) ----
 
 def fake_quant_activation(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize-dequantize activations: per-token dynamic (scale = row amax / qmax) or static per-tensor."""
-    xf = x.float()
+    """Quantize-dequantize activations: per-token dynamic (scale = row amax / qmax) or static per-tensor.
+
+    Runs on every Linear input of a simulated model, so it works in place on one float32 buffer."""
     qmax = FP8_MAX if scheme.is_fp8 else float(scheme.qmax)
     if scheme.dynamic:
-        amax = xf.abs().amax(-1, keepdim=True) if scheme.strategy == "token" else xf.abs().amax()
-        s = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        amax = x.abs().amax(-1, keepdim=True) if scheme.strategy == "token" else x.abs().amax()
+        if amax.dtype != torch.float32:
+            amax = amax.float()
+        s = torch.where(amax > 0, amax.div_(qmax), 1.0)
     else:
         if scale is None:
             raise ValueError("static activation quantization needs a calibrated input scale")
         s = scale.float().reshape(())
+    y = x.float().div(s) if x.dtype != torch.float32 else x.div(s)
     if scheme.is_fp8:
-        y = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s
+        y = y.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
     else:
-        y = torch.round(xf / s).clamp(scheme.qmin, scheme.qmax) * s
-    return y.to(x.dtype)
+        y = y.round_().clamp_(scheme.qmin, scheme.qmax)
+    return y.mul_(s).to(x.dtype)
 
 
 def static_scale(amax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
