@@ -70,6 +70,10 @@ class VLLMWriter(Writer):
         if options.tp != 1 or options.pp != 1:
             notes.append(f"--tp {options.tp} --pp {options.pp} applies to the trtllm target; vLLM shards at load time "
                          f"(serve with --tensor-parallel-size {options.tp})")
+        if source.arch.moe is not None and not recipe.weights.symmetric:
+            notes.append("asymmetric MoE experts (zero points) load only in vLLM versions whose compressed-tensors MoE "
+                         "path supports zero points (older ones accept symmetric experts only); for those use a "
+                         "symmetric recipe such as w4a16-gptq")
         if recipe.kv_cache is not None and not recipe.kv_cache.is_fp8:
             notes.append("vLLM has no INT8 KV cache with checkpoint scales: wrote FP8 KV scales (amax/448); "
                          "serve with --kv-cache-dtype fp8")
