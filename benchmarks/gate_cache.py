@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=0,
                     help="use a random Llama of this width (4 layers, synthetic tasks) instead of examples/tiny-llama")
     ap.add_argument("--limit", type=int, default=None, help="examples per task")
+    ap.add_argument("--json", type=Path, default=None, help="also write the result here (e.g. benchmarks/results/gate_cache.json)")
     args = ap.parse_args()
 
     import torch
@@ -78,6 +79,7 @@ def main() -> None:
 
     kw = {"limit": args.limit}
     run_gate(cand, model, tasks, cache_dir=work / "warmup", json_path=work / "warmup.json", **kw)  # imports, kernels, page cache
+    load_start = os.getloadavg()
     firsts, seconds, cpu_firsts, cpu_seconds = [], [], [], []
     for r in range(args.repeats):
         cache = work / f"cache{r}"
@@ -98,7 +100,12 @@ def main() -> None:
            "ratio": round(median(seconds) / median(firsts), 3),
            "cpu_first_s": round(median(cpu_firsts), 3), "cpu_second_s": round(median(cpu_seconds), 3),
            "cpu_ratio": round(median(cpu_seconds) / median(cpu_firsts), 3), "goal": 0.55,
-           "tasks": {t.name: t.n for t in a.tasks}}
+           "tasks": {t.name: t.n for t in a.tasks},
+           "first_s_runs": [round(x, 3) for x in firsts], "second_s_runs": [round(x, 3) for x in seconds],
+           "stages_first_s": {k: round(v, 3) for k, v in a.timings.items()},
+           "stages_second_s": {k: round(v, 3) for k, v in b.timings.items()},
+           "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+           "command": "python benchmarks/gate_cache.py " + " ".join(sys.argv[1:])}
     if args.cli:
         cache = work / "cli-cache"
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -113,6 +120,8 @@ def main() -> None:
                 raise RuntimeError(p.stderr)
         out.update(cli_first_s=round(times[0], 3), cli_second_s=round(times[1], 3), cli_ratio=round(times[1] / times[0], 3))
     print(json.dumps(out))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

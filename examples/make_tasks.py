@@ -7,7 +7,10 @@ Held-out means two things here:
   2. no example whose exact text appears in the training data or the calibration set: the script
      regenerates the training prefix the shipped model consumed (its length is read from
      examples/tiny-llama/training.json) and calib_data/default.jsonl's generator, and drops every
-     overlap, and any duplicate inside a file, before taking the first --n survivors.
+     overlap, and any duplicate inside a file, before taking the first --n survivors;
+  3. no example that `qtk eval`'s contamination check flags against calib_data/default.jsonl (a
+     near-duplicate: half of its 13-word n-grams in the calibration texts, or a short example found
+     whole inside one), so the shipped suite gates without a contamination warning.
 
 Files written (one per task family plus two of other kinds):
   add.jsonl reverse.jsonl sort.jsonl recall.jsonl   {"prompt": ..., "reference": ...}
@@ -48,14 +51,25 @@ def excluded_lines(train_seed: int, train_lines: int, calib_seed: int) -> dict[s
     return seen
 
 
-def fresh(items, exclude: set[str], n: int, stats: dict[str, int], line=corpus.as_line) -> list:
-    """The first ``n`` items whose ``line(item)`` is neither excluded nor already taken."""
+def calibration_index():
+    """qtk eval's own contamination index over the shipped calibration texts."""
+    from qtk.eval.contamination import CalibrationIndex
+
+    calib = HERE.parent / "calib_data" / "default.jsonl"
+    return CalibrationIndex([json.loads(line)["text"] for line in calib.read_text().splitlines() if line.strip()])
+
+
+def fresh(items, exclude: set[str], n: int, stats: dict[str, int], line=corpus.as_line, index=None) -> list:
+    """The first ``n`` items whose ``line(item)`` is neither excluded, nor flagged by ``index`` (a
+    qtk.eval.contamination.CalibrationIndex), nor already taken."""
     taken: list = []
     lines: set[str] = set()
     for item in items:
         text = line(item)
         if text in exclude:
             stats["overlap"] += 1
+        elif index is not None and index.overlap(text):
+            stats["near_duplicate"] += 1
         elif text in lines:
             stats["duplicate"] += 1
         else:
@@ -104,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     train_lines = args.train_lines if args.train_lines is not None else default_train_lines()
 
     exclude = excluded_lines(args.train_seed, train_lines, args.calib_seed)
+    index = calibration_index()
     args.out.mkdir(parents=True, exist_ok=True)
     report = {}
 
@@ -115,28 +130,28 @@ def main(argv: list[str] | None = None) -> None:
 
     held_out: dict[str, list] = {}
     for family in corpus.TASKS:
-        stats = {"overlap": 0, "duplicate": 0}
-        held_out[family] = fresh(corpus.family_stream(family, args.seed), exclude[family], args.n, stats)
+        stats = {"overlap": 0, "near_duplicate": 0, "duplicate": 0}
+        held_out[family] = fresh(corpus.family_stream(family, args.seed), exclude[family], args.n, stats, index=index)
         write(family, [{"prompt": pr, "reference": ref} for pr, ref in held_out[family]], stats)
 
     # Multiple choice must also stay clear of the generate-style addition set, so the two files
     # measure different examples.
-    stats = {"overlap": 0, "duplicate": 0}
+    stats = {"overlap": 0, "near_duplicate": 0, "duplicate": 0}
     add_taken = {corpus.as_line(item) for item in held_out["add"]}
     items = fresh(choice_items(args.seed), exclude["add"] | add_taken, args.n, stats,
-                  line=lambda item: item[0] + item[1])
+                  line=lambda item: item[0] + item[1], index=index)
     rows = [{"context": c, "choices": ch, "answer": ans} for c, _, ch, ans in items]
     write("add_choice", rows, stats)
 
-    stats = {"overlap": 0, "duplicate": 0}
-    texts = fresh(corpus.family_stream("prose", args.seed), exclude["prose"], args.n, stats)
+    stats = {"overlap": 0, "near_duplicate": 0, "duplicate": 0}
+    texts = fresh(corpus.family_stream("prose", args.seed), exclude["prose"], args.n, stats, index=index)
     write("prose", [{"text": t} for t in texts], stats)
 
     print(f"seed {args.seed}; excluded training prefix of {train_lines} lines (seed "
           f"{args.train_seed}) and calibration seed {args.calib_seed}")
     for name, stats in report.items():
         print(f"  {name:<11} {args.n} examples; dropped {stats['overlap']} overlapping, "
-              f"{stats['duplicate']} duplicate")
+              f"{stats['near_duplicate']} near-duplicate of calibration, {stats['duplicate']} duplicate")
 
 
 if __name__ == "__main__":

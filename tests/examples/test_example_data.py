@@ -62,6 +62,16 @@ def test_held_out_sets_are_disjoint_from_training_and_calibration(training_lines
     assert len(set(everything)) == len(everything), "files share examples"
 
 
+def test_qtk_contamination_check_finds_no_overlap(calib_texts):
+    """What `qtk eval` would warn about for a checkpoint calibrated on the default set: nothing."""
+    from qtk.eval.contamination import CalibrationIndex
+
+    index = CalibrationIndex(calib_texts)
+    flagged = {name: [i for i, line in enumerate(lines) if index.overlap(line)] for name, lines in held_out_lines().items()}
+    assert flagged == {name: [] for name in flagged}
+    assert index.overlap(calib_texts[7][5:])  # the check itself finds a shifted copy
+
+
 def test_held_out_sets_come_from_the_eval_seed():
     # The first examples of each file are the first examples of the eval seed's stream (minus
     # any dropped overlap), which documents the provenance stated in examples/tasks/README.md.
