@@ -255,3 +255,21 @@ def test_missing_expert_fails_inspect(moe_models, calib_file, tmp_path):
     assert not report.ok
     bad = [c for c in report.checks if not c.ok]
     assert bad[0].name == "every targeted Linear is quantized" and m in bad[0].detail
+
+
+@pytest.mark.parametrize("recipe,target", [("w4a16-gptq", "gptq"), ("w4a16-awq", "awq"), ("fp8", "hf-modelopt")])
+def test_other_targets_quantize_every_expert_and_exclude_routers(moe_models, calib_file, tmp_path, recipe, target):
+    """The legacy GPTQ/AWQ and ModelOpt writers see experts as ordinary Linears too; routers are excluded by
+    name, so an engine that would quantize them (vLLM's Qwen3-MoE gate takes the quant config) leaves them dense."""
+    res = api.convert(moe_models["qwen3_moe"], recipe, tmp_path / "o", targets=[target], calib=str(calib_file),
+                      num_samples=4, seq_len=48, hash_source=False)
+    ck = open_checkpoint(res.outputs[target])
+    mods = ck.modules()
+    assert len([m for m in mods if ".mlp.experts." in m]) == E * 3 * LAYERS
+    assert not [m for m in mods if m.endswith("mlp.gate")]
+    from qtk.pipeline import matches
+
+    excluded = ck.ignore_patterns()
+    assert all(matches(f"model.layers.{i}.mlp.gate", excluded) for i in range(LAYERS)), excluded
+    assert not matches("model.layers.0.mlp.experts.0.gate_proj", excluded)
+    assert api.inspect(res.outputs[target]).ok

@@ -88,9 +88,11 @@ class FP16Scales:
 
 
 def ignored_layer_linears(source, r) -> list[str]:
-    """Full names of the decoder layer's Linears the recipe left unquantized (written dense)."""
+    """Full names of the decoder layer's Linears left unquantized (written dense): those the recipe ignores, and
+    the MoE routers."""
     prefix = source.layer_prefix(r.index)
-    return [prefix + lin for lin in source.arch.linears if prefix + lin not in r.qweights]
+    return ([prefix + lin for lin in source.arch.linears if prefix + lin not in r.qweights]
+            + [prefix + lin for lin in source.arch.dense_linears])
 
 
 def check_divisible(module: str, n: int, per: int, what: str, target: str) -> None:

@@ -97,6 +97,7 @@ class ModelOptHFWriter(Writer):
         for name, t in r.dense.items():
             self.shards.add(name, t)
         self.exclude.extend(prefix + lin for lin in a.linears if prefix + lin not in r.qweights)
+        self.exclude.extend(prefix + lin for lin in a.dense_linears)
         if r.k_amax is not None:
             # the attention's k/v scales live on k_proj / v_proj in ModelOpt's layout: amax / 448, not clamped
             tiny = torch.finfo(torch.float32).tiny

@@ -86,6 +86,11 @@ class Arch:
     def fusion_group_of(self, linear: str) -> tuple[str, ...]:
         return next((g for g in self.fusion_groups if linear in g), (linear,))
 
+    @property
+    def dense_linears(self) -> tuple[str, ...]:
+        """Linears of a layer that always stay unquantized (MoE routers); writers list them as excluded."""
+        return () if self.moe is None else (self.moe.router_name,)
+
 
 LLAMA = Arch("llama", ("llama", "mistral"))
 QWEN2 = Arch("qwen2", ("qwen2",), trtllm_architecture="Qwen2ForCausalLM")
