@@ -7,11 +7,24 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: as the qtk command sets it
 
 from models import make_tiny_model, write_calib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny-llama"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """The tests run tiny models and tensors: one intra-op thread is faster than OpenMP workers waiting on a
+    shared 2-core machine, and no result depends on it (tests that exercise --threads set their own)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

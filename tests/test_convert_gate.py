@@ -3,8 +3,8 @@
 import json
 
 from click.testing import CliRunner
-
 from models import write_jsonl
+
 from qtk.cli import main
 
 
@@ -36,3 +36,17 @@ def test_convert_gate_passes_and_fails_by_the_task_limit(tiny_llama, tmp_path):
     assert r.exit_code == 1, r.output
     assert "gate failed for: vllm" in r.output
     assert json.loads((out / "gate-vllm.json").read_text())["passed"] is False
+
+
+def test_convert_threads_reach_calibration_and_gate(tiny_llama, tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["convert", str(tiny_llama), "--recipe", "w8a16", "-o", str(out), "--no-hash",
+                                  "--threads", "1", "--gate", str(_tasks(tmp_path, 0.9))])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "gate-vllm.json").read_text())["engine"]["threads"] == 1
+    torch.set_num_threads(before)
+    r = CliRunner().invoke(main, ["convert", str(tiny_llama), "--recipe", "w8a16", "-o", str(out), "--threads", "0"])
+    assert r.exit_code == 2 and "--threads" in r.output

@@ -3,21 +3,11 @@
 import random
 
 import pytest
-import torch
 from models import write_jsonl
 
 from qtk import api
 
 NS, T = 8, 64  # calibration windows: small, the numbers only need to be consistent
-
-
-@pytest.fixture(scope="package", autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine run far faster on one thread (no OpenMP spinning)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def convert(model, recipe, out, calib_file, **kw):

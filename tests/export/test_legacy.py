@@ -26,15 +26,6 @@ ignore: [lm_head, 're:model\\.layers\\.1\\.mlp\\.down_proj']
 AWQ_ORDER_SPEC = [0, 2, 4, 6, 1, 3, 5, 7]  # FORMATS.md §5: slot k of a word holds output column ORDER[k] of its 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cli(*args):
     r = CliRunner().invoke(main, [str(a) for a in args])
     return r.exit_code, r.output

@@ -18,15 +18,6 @@ from qtk.quant.pack import (
 from qtk.recipe import QuantScheme
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def u32(x) -> int:
     return int(x) & 0xFFFFFFFF
 
