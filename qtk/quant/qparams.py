@@ -15,6 +15,7 @@ import torch
 from qtk.recipe import FP8_MAX, QuantScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -151,7 +152,8 @@ def fake_quant_activation(x: torch.Tensor, scheme: QuantScheme, scale: torch.Ten
         amax = x.abs().amax(-1, keepdim=True) if scheme.strategy == "token" else x.abs().amax()
         if amax.dtype != torch.float32:
             amax = amax.float()
-        s = torch.where(amax > 0, amax.div_(qmax), 1.0)
+        # an all-zero row quantizes to zeros with any positive scale: the smallest normal float stands in for 0
+        s = amax.div_(qmax).clamp_min_(_TINY)
     else:
         if scale is None:
             raise ValueError("static activation quantization needs a calibrated input scale")
@@ -161,7 +163,8 @@ def fake_quant_activation(x: torch.Tensor, scheme: QuantScheme, scale: torch.Ten
         y = y.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
     else:
         y = y.round_().clamp_(scheme.qmin, scheme.qmax)
-    return y.mul_(s).to(x.dtype)
+    y = y.mul_(s)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def static_scale(amax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
