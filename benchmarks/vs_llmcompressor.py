@@ -86,7 +86,7 @@ class LlmcUnavailable(Exception):
 # ---------------------------------------------------------------------------------------------- qtk child
 
 def qtk_child(argv: list[str]) -> None:
-    """One qtk conversion with the given ids, the way api.convert runs it (writer + post-checks, manifest)."""
+    """One qtk conversion through qtk.api.convert, given the saved calibration ids (calib_ids=)."""
     ap = argparse.ArgumentParser(prog="vs_llmcompressor.py _qtk")
     ap.add_argument("--model", required=True)
     ap.add_argument("--ids", required=True)
@@ -97,33 +97,15 @@ def qtk_child(argv: list[str]) -> None:
     t_start = time.perf_counter()
     import torch
 
-    from qtk.api import _versions
-    from qtk.calib import ids_hash
-    from qtk.checks import PostChecks
-    from qtk.export import ExportOptions, writer_for
-    from qtk.model.source import ModelSource
-    from qtk.pipeline import run
+    from qtk.api import convert
     from qtk.recipe import parse_recipe
 
     t_import = time.perf_counter() - t_start
     recipe = parse_recipe(QTK_RECIPES[a.scheme], json.dumps(QTK_RECIPES[a.scheme]), a.scheme)
     ids = torch.load(a.ids, weights_only=True)
-    source = ModelSource(a.model)
-    out = Path(a.out)
-    out.mkdir(parents=True)
-    writer = writer_for("vllm")(out, source, recipe, ExportOptions())
-    checks = PostChecks(source, recipe)
-    stats = run(source, recipe, ids, [writer, checks], batch_size=a.batch_size)
-    failures = checks.finish()
-    if failures:
-        raise SystemExit(f"post-conversion check failed: {failures[:3]}")
-    t0 = time.perf_counter()
-    manifest = {"recipe": {"name": recipe.name, "text": recipe.text}, "versions": _versions(),
-                "calibration": {"used": True, "num_samples": ids.shape[0], "seq_len": ids.shape[1], "token_hash": ids_hash(ids)},
-                "stats": {"weight_error": stats.weight_error}, "timings": dict(stats.timings)}
-    writer.finish(manifest)
-    manifest["timings"].update(import_s=t_import, write=time.perf_counter() - t0, total=time.perf_counter() - t_start)
-    writer.write_manifest(manifest)
+    res = convert(a.model, recipe, a.out, targets=["vllm"], calib_ids=ids, batch_size=a.batch_size, hash_source=False)
+    timings = {**res.timings, "import_s": t_import, "total_in_process": time.perf_counter() - t_start}
+    (Path(a.out) / "timings.json").write_text(json.dumps(timings))
 
 
 # ---------------------------------------------------------------------------------------------- llm-compressor venv
@@ -197,8 +179,8 @@ def run_measured(args: list[str], log: Path) -> tuple[float, int]:
 def convert_qtk(model: Path, ids: Path, scheme: str, out: Path, log: Path, batch_size: int) -> dict:
     wall, rss = run_measured([sys.executable, str(Path(__file__).resolve()), "_qtk", "--model", str(model), "--ids", str(ids),
                               "--scheme", scheme, "--out", str(out), "--batch-size", str(batch_size)], log)
-    stages = json.loads((out / "qtk.json").read_text())["timings"]
-    return {"wall_s": wall, "peak_rss": rss, "stages_s": {k: round(v, 3) for k, v in stages.items()}}
+    stages = json.loads((out / "timings.json").read_text())
+    return {"wall_s": wall, "peak_rss": rss, "stages_s": {k: round(v, 3) for k, v in stages.items()}, "ckpt": out / "vllm"}
 
 
 def convert_llmc(model: Path, ids: Path, scheme: str, out: Path, log: Path, batch_size: int) -> dict:
@@ -208,7 +190,7 @@ def convert_llmc(model: Path, ids: Path, scheme: str, out: Path, log: Path, batc
                               "--out", str(out), "--batch-size", str(batch_size)], log)
     # llm-compressor logs each GPTQ solve's time: their sum is its GPTQ share of the wall time
     solves = [float(x) for x in re.findall(r"GPTQ \| METRIC - time ([0-9.]+)s", log.read_text())]
-    return {"wall_s": wall, "peak_rss": rss, "stages_s": {"gptq_solves": round(sum(solves), 3)}}
+    return {"wall_s": wall, "peak_rss": rss, "stages_s": {"gptq_solves": round(sum(solves), 3)}, "ckpt": out}
 
 
 # ---------------------------------------------------------------------------------------------- perplexity
@@ -387,7 +369,7 @@ def main():
         for tool, convert in runs.items():
             d = out_dir(f"out-{tool}-{s}-ppl")
             m = convert(ppl_dir, ids_files["perplexity"], s, d, work / f"{tool}-{s}-ppl.log", bs[tool])
-            result[s]["perplexity_run"][tool] = {**m, "dir": d}
+            result[s]["perplexity_run"][tool] = m
 
     # perplexity: the same code for every checkpoint
     import torch
@@ -432,8 +414,8 @@ def main():
             entry[tool] = {"wall_s": [round(w, 2) for w in walls], "wall_s_median": round(statistics.median(walls), 2),
                            "peak_rss_mb": [round(x / 1e6, 1) for x in rss], "peak_rss_mb_median": round(statistics.median(rss) / 1e6, 1),
                            "stages_s": [m["stages_s"] for m in t[tool]],
-                           "perplexity": round(checkpoint_ppl(pr["dir"], tok, texts, max_len), 4),
-                           "perplexity_hf_dequantized_weights_only": round(checkpoint_ppl_hf(pr["dir"], tok, texts, max_len), 4),
+                           "perplexity": round(checkpoint_ppl(pr["ckpt"], tok, texts, max_len), 4),
+                           "perplexity_hf_dequantized_weights_only": round(checkpoint_ppl_hf(pr["ckpt"], tok, texts, max_len), 4),
                            "perplexity_model_run": {"wall_s": round(pr["wall_s"], 2), "peak_rss_mb": round(pr["peak_rss"] / 1e6, 1)}}
         q, l = entry["qtk"], entry["llmcompressor"]
         pair_time = [a_["wall_s"] / b_["wall_s"] for a_, b_ in zip(t["qtk"], t["llmcompressor"])]

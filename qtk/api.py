@@ -74,6 +74,7 @@ def convert(
     *,
     targets: Sequence[str] = ("vllm",),
     calib: str | None = None,
+    calib_ids=None,
     text_field: str | None = None,
     num_samples: int | None = None,
     seq_len: int | None = None,
@@ -94,6 +95,9 @@ def convert(
 
     Each target is written to a temporary directory and renamed when complete; on any failure
     (including Ctrl-C) nothing that looks like a finished output is left behind.
+
+    calib_ids: pre-tokenized calibration samples, an integer tensor [num_samples, seq_len], used as they are
+    (instead of calib / num_samples / seq_len / seed), e.g. to give several tools the exact same tokens.
     """
     import torch
 
@@ -133,7 +137,21 @@ def convert(
 
     calib_info: dict = {"used": False}
     ids = None
-    if r.needs_calibration:
+    if r.needs_calibration and calib_ids is not None:
+        ids = torch.as_tensor(calib_ids)
+        if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 or ids.is_floating_point() or ids.is_complex():
+            raise UsageError(f"calib_ids must be an integer tensor [num_samples, seq_len >= 2], got {ids.dtype} {list(ids.shape)}",
+                             "pass token ids shaped [num_samples, seq_len], e.g. from qtk.calib.calibration_ids")
+        if calib is not None or num_samples is not None or seq_len is not None or seed is not None:
+            raise UsageError("calib_ids is given together with calib / num_samples / seq_len / seed",
+                             "give either pre-tokenized calib_ids or the options that make them, not both")
+        vocab = getattr(source.config, "vocab_size", None)
+        if vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise UsageError(f"calib_ids holds ids outside the model's vocabulary [0, {vocab})", "tokenize with this model's tokenizer")
+        ids = ids.long()
+        calib_info = {"used": True, "dataset": "calib_ids (pre-tokenized)", "num_samples": ids.shape[0],
+                      "seq_len": ids.shape[1], "seed": None, "token_hash": ids_hash(ids)}
+    elif r.needs_calibration:
         stage("calibration data")
         t0 = time.perf_counter()
         c = r.calibration

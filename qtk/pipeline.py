@@ -81,6 +81,12 @@ def target_linears(source, recipe: Recipe, i: int) -> list[str]:
     return kept
 
 
+def compute_dtype(source) -> torch.dtype:
+    """The dtype calibration forwards run in: the model's (bf16 matmuls are several times faster than fp32 on
+    CPUs, and it is what the engine runs), except float16, whose range real activations can overflow."""
+    return torch.float32 if source.dtype == torch.float16 else source.dtype
+
+
 def capture_layer_inputs(source, skeleton, ids: torch.Tensor, batch_size: int):
     """Run embeddings (+ rotary, masks) once per batch with every layer replaced by a catcher.
 
@@ -88,7 +94,7 @@ def capture_layer_inputs(source, skeleton, ids: torch.Tensor, batch_size: int):
     layer_kwargs[i][b] = the kwargs layer i gets for batch b (shared tensors, so this costs no memory)."""
     arch = source.arch
     embed_meta = skeleton.get_submodule(arch.embed)
-    replace_module(skeleton, arch.embed, source.load_module(embed_meta, arch.embed + "."))
+    replace_module(skeleton, arch.embed, source.load_module(embed_meta, arch.embed + ".", compute_dtype(source)))
     layers = skeleton.get_submodule(arch.layers)
     originals = list(layers)
     store: list = []
@@ -132,10 +138,13 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
 
     records: dict = {}
     steps = {s.name: s.params for s in recipe.algorithm}
+    # fp32 copies of the weights to quantize while smoothing folds scales into them (the layer keeps rounded ones)
+    smoothing = batches and ("smoothquant" in steps or "awq" in steps)
+    master = {t: layer.get_submodule(t).weight.detach().float() for t in targets} if smoothing else {}
     if batches and "smoothquant" in steps:
-        records["smoothquant"] = cal.apply_smoothquant(layer, arch, targets, batches, steps["smoothquant"])
+        records["smoothquant"] = cal.apply_smoothquant(layer, arch, targets, batches, steps["smoothquant"], master)
     if batches and "awq" in steps:
-        records["awq"] = cal.apply_awq(layer, arch, targets, batches, recipe, steps["awq"], dtype)
+        records["awq"] = cal.apply_awq(layer, arch, targets, batches, recipe, steps["awq"], dtype, master)
     if records:  # folded norms/biases are stored in the model dtype: propagate exactly what is stored
         quantized_w = {t + ".weight" for t in targets}
         with torch.no_grad():
@@ -143,13 +152,14 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
                 if name not in quantized_w:
                     p.copy_(p.to(dtype).float())
     amax = cal.observe_input_amax(layer, arch, targets, batches) if (batches and recipe.static_activations) else {}
-    weights = {t: layer.get_submodule(t).weight.detach().clone() for t in targets}
+    weights = master or {t: layer.get_submodule(t).weight.detach() for t in targets}  # swap_in replaces, never writes
     if "gptq" in steps:
         if not batches:
             raise UsageError("GPTQ needs calibration data", "remove the gptq step or give --calib")
-        qweights, records["gptq"] = cal.gptq_weights(layer, arch, targets, batches, recipe, steps["gptq"], dtype, prefix, amax)
+        qweights, records["gptq"] = cal.gptq_weights(layer, arch, targets, batches, recipe, steps["gptq"], dtype, prefix,
+                                                     amax, master)
     else:
-        qweights = cal.rtn_weights(weights, recipe, arch, dtype)
+        qweights = cal.rtn_weights({t: w.float() for t, w in weights.items()}, recipe, arch, dtype)
 
     errors = {}
     for t, qt in qweights.items():
@@ -159,9 +169,10 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
             w_hat = cal.swap_in(layer, t, qt, recipe, amax)  # the next layer sees what the engine computes
         else:
             w_hat = layer.get_submodule(t).weight if batches else engine_weight(qt)
-        w = weights[t]
-        errors[prefix + t] = float((w_hat - w).norm() / w.norm().clamp_min(1e-12))
+        w = weights[t].float()
+        errors[prefix + t] = float((w_hat.float() - w).norm() / w.norm().clamp_min(1e-12))
         del w_hat
+    del weights, master  # only the quantized layer is needed from here
 
     kv = None
     next_batches = None
@@ -275,7 +286,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     t_layers = time.perf_counter()
     for i in range(start, n):
         targets = target_linears(source, recipe, i)
-        layer = source.layer(skeleton, i)
+        layer = source.layer(skeleton, i, compute_dtype(source))
         if batches is not None:
             batches = [(h, kw) for (h, _), kw in zip(batches, layer_kwargs[i])]
         result, batches = process_layer(source, recipe, i, layer, batches, targets)

@@ -75,12 +75,13 @@ def test_quantized_model_is_close_to_but_not_the_source(converted):
 
 
 def _independent_kv_amax(model_dir, d, calib_file):
-    """K after RoPE recomputed by hand from k_proj outputs and the model's rotary embedding, V from v_proj."""
+    """K after RoPE recomputed by hand from k_proj outputs and the model's rotary embedding, V from v_proj, in the
+    model dtype (bf16) as the engine and qtk's calibration compute them."""
     from transformers import AutoTokenizer
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     ck = open_checkpoint(d)
-    m = build_simulated_model(ck, simulate_kv=False)
+    m = build_simulated_model(ck, simulate_kv=False, dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids = calibration_ids(tok, load_texts(str(calib_file)), NS, T, 0)
     cfg = m.config
@@ -94,7 +95,7 @@ def _independent_kv_amax(model_dir, d, calib_file):
         for b in ids.split(8):
             m(b)
     pos = torch.arange(T).unsqueeze(0)
-    cos, sin = m.model.rotary_emb(torch.zeros(1, T, 1), pos)
+    cos, sin = m.model.rotary_emb(torch.zeros(1, T, 1, dtype=torch.bfloat16), pos)
     out = {}
     for i in k_out:
         k = torch.cat(k_out[i]).view(NS, T, -1, hd).transpose(1, 2)
@@ -201,3 +202,20 @@ def test_one_run_writes_vllm_and_sharded_trtllm(tiny_llama, calib_file, tmp_path
     assert sorted(p.name for p in res.outputs["trtllm"].glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]
     assert any("--tensor-parallel-size 2" in n for n in res.notes["vllm"])
     assert api.inspect(res.outputs["vllm"]).ok and api.inspect(res.outputs["trtllm"]).ok
+
+
+def test_pre_tokenized_calib_ids_give_the_same_checkpoint(tiny_llama, calib_file, tmp_path):
+    """calib_ids = the ids the calibration options would make: the same weights, and the same token hash."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    ids = calibration_ids(AutoTokenizer.from_pretrained(tiny_llama), load_texts(str(calib_file)), NS, T, 0)
+    a = api.convert(tiny_llama, "w4a16-gptq", tmp_path / "a", calib=str(calib_file), num_samples=NS, seq_len=T, seed=0,
+                    hash_source=False).outputs["vllm"]
+    b = api.convert(tiny_llama, "w4a16-gptq", tmp_path / "b", calib_ids=ids, hash_source=False).outputs["vllm"]
+    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    ma, mb = (json.loads((d / "qtk.json").read_text())["calibration"] for d in (a, b))
+    assert ma["token_hash"] == mb["token_hash"] and mb["dataset"] == "calib_ids (pre-tokenized)"
+    with pytest.raises(api.UsageError, match="calib_ids"):
+        api.convert(tiny_llama, "w4a16-gptq", tmp_path / "c", calib_ids=ids, num_samples=4, hash_source=False)
