@@ -15,10 +15,19 @@ import torch
 
 from qtk.algorithms.awq import apply_clip, awq_search_clip, awq_search_scales
 from qtk.algorithms.gptq import accumulate_hessian, gptq_quantize_shared
-from qtk.algorithms.smooth import fold_into_linear_rows, fold_into_norm, scale_linear_columns
+from qtk.algorithms.smooth import (
+    fold_into_linear_rows,
+    fold_into_norm,
+    scale_linear_columns,
+)
 from qtk.algorithms.smoothquant import smoothquant_scales
 from qtk.model.simulate import QLinear, engine_weight, replace_module
-from qtk.quant.qparams import fake_quant_activation, quantize_weight, static_scale, weight_qparams
+from qtk.quant.qparams import (
+    fake_quant_activation,
+    quantize_weight,
+    static_scale,
+    weight_qparams,
+)
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import Recipe
 
@@ -272,8 +281,8 @@ def gptq_weights(layer, arch, targets, batches, recipe: Recipe, params, dtype, p
             H, n = hessians.pop(group)
             _solve_group(layer, arch, group, H, n, recipe, params, dtype, prefix, master, out, info)
             del H
-    for t in out:
-        swap_in(layer, t, out[t], recipe, amax)
+    for t, qt in out.items():
+        swap_in(layer, t, qt, recipe, amax)
     return out, info
 
 

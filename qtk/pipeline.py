@@ -13,7 +13,14 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.model.moe import moe_blocks, report_starved_experts
-from qtk.model.simulate import KVAmax, QLinear, engine_weight, replace_module, set_kv_hook, use_qtk_attention
+from qtk.model.simulate import (
+    KVAmax,
+    QLinear,
+    engine_weight,
+    replace_module,
+    set_kv_hook,
+    use_qtk_attention,
+)
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import Recipe
 

@@ -24,6 +24,7 @@ from qtk.recipe import QuantScheme
 log = logging.getLogger(__name__)
 
 SUB_BLOCK = 16  # columns per inner lazy-update block (see gptq_quantize)
+HESSIAN_CHUNK = 1024  # tokens converted to float32 at a time in accumulate_hessian
 
 
 class CholeskyFailed(QtkError):
@@ -55,7 +56,13 @@ def accumulate_hessian(H: torch.Tensor | None, nsamples: int, X: torch.Tensor,
     are multiplied by bf16 kernels with fp32 accumulation: the same H as fp32, twice as fast.
     """
     exact_bf16 = X.dtype == torch.bfloat16 and X.device.type == "cpu"
-    X = X.reshape(-1, X.shape[-1]).float()  # X [tokens, in]
+    X = X.reshape(-1, X.shape[-1])
+    if X.shape[0] > HESSIAN_CHUNK and X.dtype != torch.float32:  # bounds the float32 copy of X: 40+ MB for a wide input
+        for c in X.split(HESSIAN_CHUNK):
+            H, nsamples = accumulate_hessian(H, nsamples, c, inplace)
+            inplace = True  # H is ours from the first chunk on
+        return H, nsamples
+    X = X.float()  # X [tokens, in]
     t, in_f = X.shape
     if H is None:
         if nsamples:
@@ -73,31 +80,28 @@ def accumulate_hessian(H: torch.Tensor | None, nsamples: int, X: torch.Tensor,
         return torch.addmm(H.float(), X.t(), X, beta=nsamples / n, alpha=2.0 / n), n
 
 
-def _upper_cholesky_of_inverse(H: torch.Tensor, damp: float) -> torch.Tensor | None:
-    """Upper Cholesky factor of (H + damp·I)⁻¹, or None when either factorisation fails."""
-    Hd = H.clone()
-    Hd.diagonal().add_(damp)
-    L, info = torch.linalg.cholesky_ex(Hd)
-    del Hd  # [in, in] temporaries are freed as soon as they are used: for a wide down_proj each is 100+ MB
-    if info.item() != 0:
-        return None
-    Hi = torch.cholesky_inverse(L)
-    del L
-    Hinv, info = torch.linalg.cholesky_ex(Hi, upper=True)
-    del Hi
-    if info.item() != 0 or not torch.isfinite(Hinv).all():
-        return None
-    return Hinv
-
-
-def _damped_hinv(H: torch.Tensor, params: GPTQParams, name: str) -> tuple[torch.Tensor, float, int]:
-    """Hinv with relative damping damp_percent · mean(diag H), ×10 on each Cholesky failure."""
-    mean_diag = torch.diag(H).mean().item()
+def _damped_hinv(make_h, diag: torch.Tensor, params: GPTQParams, name: str) -> tuple[torch.Tensor, float, int, float]:
+    """Upper Cholesky factor of (H + damp·I)⁻¹ with relative damping damp_percent · mean(diag H), ×10 on each
+    failed factorisation. diag: diag H [in]. make_h() returns a private fp32 copy of H, damped in place and freed as soon as its
+    Cholesky factor exists: with the caller's H, at most three [in, in] matrices are alive at once (each is
+    over 100 MB for a wide down_proj). Returns (Hinv, damp, retries, mean diag H)."""
+    mean_diag = diag.mean().item()
     damp = params.damp_percent * mean_diag
     for retry in range(params.max_damp_retries + 1):
-        Hinv = _upper_cholesky_of_inverse(H, damp)
-        if Hinv is not None:
-            return Hinv, damp, retry
+        H = make_h()
+        H.diagonal().copy_(diag).add_(damp)
+        L, info = torch.linalg.cholesky_ex(H)
+        del H
+        if info.item() == 0:
+            Hi = torch.cholesky_inverse(L)
+            del L
+            Hinv, info = torch.linalg.cholesky_ex(Hi, upper=True)
+            del Hi
+            if info.item() == 0 and torch.isfinite(Hinv).all():
+                return Hinv, damp, retry, mean_diag
+            del Hinv
+        else:
+            del L
         if retry < params.max_damp_retries:
             log.warning("GPTQ%s: Cholesky of the damped Hessian failed at damp %.3g (%.3g × mean diag H); "
                         "retrying with 10× the damping", name, damp, damp / mean_diag)
@@ -110,7 +114,8 @@ def _damped_hinv(H: torch.Tensor, params: GPTQParams, name: str) -> tuple[torch.
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params: GPTQParams,
-                  dtype: torch.dtype | None = None, name: str = "", loss: bool = True) -> tuple[QTensor, dict]:
+                  dtype: torch.dtype | None = None, name: str = "", loss: bool = True,
+                  dequantized: bool = True) -> tuple[QTensor, dict]:
     """Quantize W [out, in] against the Hessian H [in, in] of its inputs (see accumulate_hessian).
 
     dtype: the model dtype (int scales are rounded to it; default W's). name: for log and error messages.
@@ -123,7 +128,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     info: damp (absolute, added to diag H), damp_percent (relative, after retries), retries,
     dead_columns, loss (1/n Σ‖(W − Q)x‖² = tr(ΔW H ΔWᵀ)/2, the layer's mean output error),
     loss_estimate (the paper's Σ (w − q)²/[Hinv]²_jj / 2, which equals tr(ΔW (H + damp·I) ΔWᵀ)/2), actorder (None | "group" | "weight"),
-    dequantized (float32 [out, in], the exact matrix the algorithm chose; equals qt.dequantize()).
+    dequantized (float32 [out, in], the exact matrix the algorithm chose; equals qt.dequantize(); None with
+    dequantized=False, which saves one float32 copy of W while the loop runs).
     """
     dtype = dtype or W.dtype
     label = f" ({name})" if name else ""
@@ -138,50 +144,59 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
         raise UsageError(f"GPTQ{label}: the Hessian has inf/nan entries",
                          "calibration activations overflowed; check the calibration data or run in float32/bfloat16")
     W0, H0 = W, H
-    W = W.float().clone()  # W [out, in], updated in place as errors are compensated
-    H = H.to(W.device, torch.float32).clone()  # H [in, in]
-
-    dead = torch.diag(H) == 0  # inputs that were always zero: their weights do not matter
-    H[dead, dead] = 1
-    W[:, dead] = 0
+    diag = torch.diag(H).to(W.device, torch.float32)  # [in]
+    dead = diag == 0  # inputs that were always zero: their weights do not matter (H_jj := 1, W[:, j] := 0)
+    any_dead = bool(dead.any())
 
     scale_dtype = None if scheme.is_fp8 else dtype
     dynamic_groups = g is not None and not params.static_groups
     if not dynamic_groups:
         # scale, zero [1] | [out, 1] | [out, n_groups] (groups over the original column order)
-        scale, zero = weight_qparams(W, scheme, scale_dtype)
+        Wq = W.float()
+        if any_dead:
+            Wq = Wq.clone()
+            Wq[:, dead] = 0
+        scale, zero = weight_qparams(Wq, scheme, scale_dtype)
+        del Wq
     col_scheme = replace(scheme, strategy="channel", group_size=None)
     gscales: list[torch.Tensor] = []
     gzeros: list[torch.Tensor | None] = []
 
     perm = None
     if params.actorder:
-        perm = torch.argsort(torch.diag(H), descending=True, stable=True)  # perm [in]
-        W = W[:, perm]
-        H = H[perm][:, perm]
+        perm = torch.argsort(torch.where(dead, 1.0, diag), descending=True, stable=True)  # perm [in]
+    dead_v = dead if perm is None else dead[perm]  # dead, in visiting order
 
-    Hinv, damp, retries = _damped_hinv(H, params, label)  # Hinv [in, in], upper triangular
-    mean_diag = torch.diag(H).mean().item()
-    del H
+    def make_h():  # private fp32 H [in, in] in visiting order, dead inputs set to H_jj = 1
+        Hp = H0.to(W.device, torch.float32)
+        Hp = Hp[perm[:, None], perm] if perm is not None else Hp.clone()
+        if any_dead:
+            Hp.diagonal()[dead_v] = 1
+        return Hp
+
+    diag_v = torch.where(dead, 1.0, diag) if perm is None else torch.where(dead, 1.0, diag)[perm]
+    Hinv, damp, retries, mean_diag = _damped_hinv(make_h, diag_v, params, label)  # Hinv [in, in], upper triangular
 
     # The loop runs on Wᵀ [in, out]: a column of W is then one contiguous row, so each column's few vector ops
     # stream through memory instead of striding across it. Two levels of lazy updates: inside a sub-block of
     # `sub` columns the quantization error is spread column by column (rank-1), onto the rest of the block once
     # per sub-block and onto the later blocks once per block (GEMMs). Same arithmetic, fewer bytes moved.
     sub = math.gcd(SUB_BLOCK, params.block_size, g if dynamic_groups else SUB_BLOCK)  # group starts open a sub-block
-    Wt = W.t().contiguous()  # Wt [in, out], updated in place as errors are compensated
-    del W
+    Wt = torch.empty(in_f, out_f, dtype=torch.float32, device=W.device)  # Wt [in, out], in visiting order,
+    Wt.copy_(W.t() if perm is None else W.t()[perm])                    # updated in place as errors are compensated
+    if any_dead:
+        Wt[dead_v] = 0
 
     def fixed_block_qparams(i1: int, i2: int):
         """scale, zero of the visited columns i1..i2, as [count, out] (groups) or [1, out] (channel / tensor)."""
         if g is None:
             return scale.reshape(1, -1), None if zero is None else zero.reshape(1, -1)
-        cols = torch.arange(i1, i2, device=Wt.device) if perm is None else perm[i1:i2]
+        cols = torch.arange(i1, i2, device=W.device) if perm is None else perm[i1:i2]
         grp = cols // g  # [count], the original group of each visited column
         return scale[:, grp].t().contiguous(), None if zero is None else zero[:, grp].t().contiguous()
 
-    Qt = torch.empty_like(Wt)  # quantized values (ints, or fp8 values) as float32 [in, out]
-    Qdt = torch.empty_like(Wt)  # dequantized [in, out]
+    Qt = torch.empty(in_f, out_f, dtype=torch.float8_e4m3fn if scheme.is_fp8 else torch.int8, device=Wt.device)  # [in, out]
+    Qdt = torch.empty_like(Wt) if dequantized else None  # dequantized [in, out], as the loop computed it
     row_loss = torch.zeros(out_f, dtype=torch.float64, device=Wt.device)  # Σ_j (w − q)²/[Hinv]²_jj / 2 per row of W
     bs = params.block_size
     for i1 in range(0, in_f, bs):
@@ -232,12 +247,13 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
             if j2 < count:
                 W1[j2:].addmm_(Hinv1[j1:j2, j2:].t(), Err1[j1:j2], alpha=-1)
 
-        Qdt[i1:i2] = dequantize_grouped(Q1, S1, Z1)  # elementwise, as each column's dq above
+        if Qdt is not None:
+            Qdt[i1:i2] = dequantize_grouped(Q1, S1, Z1)  # elementwise, as each column's dq above
         row_loss += Err1.square().sum(0, dtype=torch.float64) / 2
         if i2 < in_f:
             Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of the remaining columns
     del Wt
-    Qv, Qd = Qt.t(), Qdt.t()  # [out, in]
+    Qv, Qd = Qt.t(), None if Qdt is None else Qdt.t()  # [out, in]
     loss_estimate = float(row_loss.sum())
 
     g_idx = None
@@ -247,18 +263,17 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     if perm is not None:
         invperm = torch.argsort(perm)
         Qv = Qv[:, invperm]
-        Qd = Qd[:, invperm]
+        Qd = None if Qd is None else Qd[:, invperm]
         if dynamic_groups:
             # original column c was visited at position invperm[c], inside group invperm[c] // g
             g_idx = (torch.arange(in_f, device=Qv.device) // g)[invperm].to(torch.int32)
-    Qv, Qd = Qv.contiguous(), Qd.contiguous()
+    Qv, Qd = Qv.contiguous(), None if Qd is None else Qd.contiguous()
 
-    values = Qv.to(torch.float8_e4m3fn) if scheme.is_fp8 else Qv.to(torch.int8)
-    qt = QTensor(values, scale.float(), scheme, None if zero is None else zero.float(), g_idx, dtype)
+    qt = QTensor(Qv, scale.float(), scheme, None if zero is None else zero.float(), g_idx, dtype)
 
     def layer_loss() -> float:
-        dW = W0.float() - Qd  # dW [out, in]
-        return ((dW @ H0.to(Qd.device, torch.float32)) * dW).sum().item() / 2
+        dW = W0.float() - (qt.dequantize() if Qd is None else Qd)  # dW [out, in]
+        return ((dW @ H0.to(dW.device, torch.float32)) * dW).sum().item() / 2
 
     info = {
         "damp": damp,
@@ -287,7 +302,8 @@ def gptq_quantize_shared(Ws: list[torch.Tensor], H: torch.Tensor, scheme: QuantS
     """
     name = ", ".join(names) if names else ""
     W = Ws[0].float() if len(Ws) == 1 else torch.cat([w.float() for w in Ws], dim=0)  # W [sum out, in]
-    qt, info = gptq_quantize(W, H, scheme, params, dtype or Ws[0].dtype, name=name, loss=False)
+    qt, info = gptq_quantize(W, H, scheme, params, dtype or Ws[0].dtype, name=name, loss=False, dequantized=False)
+    del W
     dead = torch.diag(H) == 0
     out, r0 = [], 0
     for w in Ws:
@@ -297,7 +313,7 @@ def gptq_quantize_shared(Ws: list[torch.Tensor], H: torch.Tensor, scheme: QuantS
         part = QTensor(qt.values[rows], qt.scale[rows] if per_row else qt.scale, scheme,
                        None if qt.zero_point is None else (qt.zero_point[rows] if per_row else qt.zero_point),
                        qt.g_idx, qt.dtype)
-        Qd = info["dequantized"][rows]
+        Qd = part.dequantize()  # what the algorithm chose for these rows (gptq_quantize: equals its "dequantized")
         dW = w.float() - Qd  # dW [out_i, in]
         dW[:, dead] = 0  # inputs that were always zero add nothing to the output error
         # 1/n Σ‖ΔW x‖² = tr(ΔW H ΔWᵀ)/2 from the paper's per-column terms (which sum to tr(ΔW (H + damp·I) ΔWᵀ)/2),

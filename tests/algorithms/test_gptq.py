@@ -306,11 +306,14 @@ def test_shared_input_solve_equals_separate_solves(name, actorder, static_groups
 
 def test_accumulate_hessian_of_bf16_inputs_is_fp32_accurate():
     """bf16 inputs take the bf16-kernel path (fp32 accumulation): H matches a float64 reference to fp32 accuracy."""
-    _, X = correlated_layer(inp=384, tokens=1000)
+    _, X = correlated_layer(inp=384, tokens=3000)
     Xb = X.bfloat16()
-    H, n = accumulate_hessian(None, 0, Xb[:600])
-    H, n = accumulate_hessian(H, n, Xb[600:])
-    ref = 2 / 1000 * Xb.double().t() @ Xb.double()
-    assert H.dtype == torch.float32 and n == 1000
+    H, n = accumulate_hessian(None, 0, Xb[:2600])  # more tokens than one float32 chunk (HESSIAN_CHUNK)
+    H0 = H.clone()
+    H2, n = accumulate_hessian(H, n, Xb[2600:])
+    assert torch.equal(H, H0), "the input H must not be modified"
+    H = H2
+    ref = 2 / 3000 * Xb.double().t() @ Xb.double()
+    assert H.dtype == torch.float32 and n == 3000
     assert ((H.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # the global setting is restored
