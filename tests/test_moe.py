@@ -9,10 +9,10 @@ import re
 
 import pytest
 import torch
+from models import make_tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from models import make_tiny_model
 from qtk import api
 from qtk.errors import UsageError
 from qtk.export import open_checkpoint
@@ -22,8 +22,9 @@ from qtk.recipe import load_recipe
 
 E, LAYERS = 4, 2
 MOE = {
-    "mixtral": dict(num_local_experts=E, num_experts_per_tok=2),
-    "qwen3_moe": dict(head_dim=32, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True),
+    "mixtral": {"num_local_experts": E, "num_experts_per_tok": 2},
+    "qwen3_moe": {"head_dim": 32, "num_experts": E, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                  "norm_topk_prob": True},
 }
 BLOCK = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 
@@ -32,7 +33,7 @@ def _tensors(d) -> dict[str, tuple[torch.dtype, list[int]]]:
     out = {}
     for f in sorted(d.glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
-            for k in h.keys():
+            for k in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 t = h.get_tensor(k)
                 out[k] = (t.dtype, list(t.shape))
     return out
@@ -190,7 +191,7 @@ def test_smoothquant_fold_keeps_the_float_moe_layer(moe_models, calib_file, mode
     batches, _ = capture_layer_inputs(src, skeleton, ids, 2)
     batches = [(h.float(), kw) for h, kw in batches]
     layer = src.layer(skeleton, 0, dtype=torch.float32)
-    block, (g, u, dn) = BLOCK[model_type]
+    block, (g, u, _) = BLOCK[model_type]
     norm = layer.post_attention_layernorm.weight.detach().clone()
     router = layer.get_submodule(f"{block}.gate").weight.detach().clone()
     w1 = layer.get_submodule(f"{block}.experts.2.{g}").weight.detach().clone()
