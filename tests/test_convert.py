@@ -219,3 +219,12 @@ def test_pre_tokenized_calib_ids_give_the_same_checkpoint(tiny_llama, calib_file
     assert ma["token_hash"] == mb["token_hash"] and mb["dataset"] == "calib_ids (pre-tokenized)"
     with pytest.raises(api.UsageError, match="calib_ids"):
         api.convert(tiny_llama, "w4a16-gptq", tmp_path / "c", calib_ids=ids, num_samples=4, hash_source=False)
+
+
+def test_output_readme_shows_only_the_engines_that_load_it(tiny_llama, tmp_path):
+    out = api.convert(tiny_llama, "w4a16", tmp_path / "o", targets=["vllm", "trtllm", "gptq"], hash_source=False).outputs
+    for target, path in out.items():
+        readme = (path / "README.md").read_text()
+        has_vllm, has_trt = "vllm serve" in readme, "trtllm-build" in readme
+        assert (has_vllm, has_trt) == ((False, True) if target == "trtllm" else (True, False)), target
+    assert f"--checkpoint_dir {out['trtllm']} " in (out["trtllm"] / "README.md").read_text()

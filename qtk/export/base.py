@@ -13,6 +13,7 @@ class Writer:
     target = ""
     description = ""
     loads_in = ""  # which engines load this output (README, --help)
+    serves_with: tuple[str, ...] = ("vllm",)  # whose serving commands the output's README shows
 
     def __init__(self, directory: Path, source, recipe, options: ExportOptions):
         self.dir = Path(directory)
@@ -60,7 +61,7 @@ class Writer:
                   "", f"The serving plan below assumes {gpu}; run `qtk plan` for your hardware.", "",
                   serving_section(self.source.config_dict, self.recipe, gpu=gpu, context=ctx, concurrency=concurrency,
                                   tp=self.options.tp, model_path=str(final),
-                                  trtllm_checkpoint=str(final) if self.target == "trtllm" else "TRTLLM_CHECKPOINT")]
+                                  trtllm_checkpoint=str(final), engines=self.serves_with)]
         (self.dir / "README.md").write_text("\n".join(lines).rstrip() + "\n")
 
     def write_manifest(self, manifest: dict) -> None:

@@ -316,6 +316,7 @@ class TRTLLMWriter(Writer):
     target = "trtllm"
     description = "TensorRT-LLM checkpoint (config.json + rank{N}.safetensors)"
     loads_in = "TensorRT-LLM (`trtllm-build --checkpoint_dir DIR`)"
+    serves_with = ("trtllm",)
 
     @classmethod
     def check(cls, source, recipe, options):

@@ -58,11 +58,13 @@ def serving_commands(s: ModelShape, recipe, m: MemoryPlan, dep, *, model_path: s
 
 def serving_section(config: Mapping | str | Path, recipe=None, gpu="h100-80g", context: int = 4096,
                     concurrency: int = 8, tp: int = 1, *, utilization: float = 0.9, model_path: str = ".",
-                    trtllm_checkpoint: str = "TRTLLM_CHECKPOINT", engine_dir: str = "ENGINE_DIR") -> str:
+                    trtllm_checkpoint: str = "TRTLLM_CHECKPOINT", engine_dir: str = "ENGINE_DIR",
+                    engines: tuple[str, ...] = ("vllm", "trtllm")) -> str:
     """Markdown 'Serving' section for a README: memory at this setting and the engine flags.
 
     config: a config.json dict (or path); recipe: a Recipe, a recipe name/path, or None (unquantized);
-    gpu: a name from qtk.plan.hardware or a GPU.
+    gpu: a name from qtk.plan.hardware or a GPU; engines: whose commands to show (a checkpoint's README shows
+    only the engines that load it).
     """
     from qtk.plan.hardware import GPU, get_gpu
     from qtk.plan.memory import read_config
@@ -99,20 +101,14 @@ def serving_section(config: Mapping | str | Path, recipe=None, gpu="h100-80g", c
         f"context is {'at least ' if m.max_context_limited_by == 'search' else ''}{m.max_context} tokens"
         + (" (the model's limit)" if m.max_context_limited_by == "model" else "") + ".",
         "",
-        "vLLM:",
-        "",
-        "```bash",
-        cmds["vllm"],
-        "```",
-        "",
-        "TensorRT-LLM:",
-        "",
-        "```bash",
-        cmds["trtllm_build"],
-        cmds["trtllm_serve"],
-        "```",
     ]
-    if cmds["notes"]:
+    if "vllm" in engines:
+        lines += ["vLLM:", "", "```bash", cmds["vllm"], "```", ""]
+    if "trtllm" in engines:
+        lines += ["TensorRT-LLM:", "", "```bash", cmds["trtllm_build"], cmds["trtllm_serve"], "```", ""]
+    notes = [n for n in cmds["notes"] if "trtllm" in engines or not n.startswith("TensorRT-LLM")]
+    lines = lines[:-1] if lines[-1] == "" else lines
+    if notes:
         lines.append("")
-        lines.extend(f"- {n}" for n in cmds["notes"])
+        lines.extend(f"- {n}" for n in notes)
     return "\n".join(lines) + "\n"
