@@ -19,19 +19,14 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.base import Writer
-from qtk.export.checkpoint import Checkpoint
 from qtk.export.gptq import (
-    FP16Scales,
-    _model_dtype,
-    _quant_config,
+    LegacyCheckpoint,
+    LegacyWriter,
     check_divisible,
     common_notes,
-    ignored_layer_linears,
     refuse_common,
     trivial_g_idx,
 )
-from qtk.export.safetensors_io import ShardedWriter
 from qtk.quant.pack import offset, pack_awq, unpack_awq
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import QuantScheme
@@ -40,17 +35,10 @@ BITS = 4
 
 
 @register_writer
-class AWQWriter(Writer):
+class AWQWriter(LegacyWriter):
     target = "awq"
     description = "legacy AWQ GEMM checkpoint (qweight/qzeros/scales)"
     loads_in = "vLLM (awq, awq_marlin), GPTQModel, transformers (with gptqmodel)"
-
-    def __init__(self, directory, source, recipe, options):
-        super().__init__(directory, source, recipe, options)
-        self.ignored: list[str] = []
-        self.fp16 = FP16Scales(self.target)
-        n_expected = len(source.weight_map) * 4 + 16
-        self.shards = ShardedWriter(self.dir, options.max_shard_bytes, n_expected)
 
     @classmethod
     def check(cls, source, recipe, options):
@@ -68,17 +56,6 @@ class AWQWriter(Writer):
             notes.append("AWQ kernels always subtract a zero point: the symmetric scheme is written with zero point 8 "
                          "(unsigned), which dequantizes identically")
         return notes
-
-    def add_dense(self, name: str, tensor: torch.Tensor) -> None:
-        self.shards.add(name, tensor)
-
-    def add_layer(self, r) -> None:
-        for mod, qt in r.qweights.items():
-            for k, t in self.encode(mod, qt).items():
-                self.shards.add(f"{mod}.{k}", t)
-        for name, t in r.dense.items():  # norms, biases (X.bias), ignored Linears
-            self.shards.add(name, t)
-        self.ignored.extend(ignored_layer_linears(self.source, r))
 
     def encode(self, mod: str, qt: QTensor) -> dict[str, torch.Tensor]:
         s = qt.scheme
@@ -120,24 +97,17 @@ class AWQWriter(Writer):
 
 
 @register_reader
-class AWQCheckpoint(Checkpoint):
+class AWQCheckpoint(LegacyCheckpoint):
     """Returns QTensors in qtk's signed convention (q = q_u − 8, z = z_u − 8), scales exactly the fp16 on
     disk (as float32). The format always carries zero points, so the scheme reads as asymmetric; a
     symmetric recipe comes back with zero points of 0, which dequantize identically."""
 
     format = "awq"
+    METHOD = "awq"
     SUFFIXES = (".qweight", ".qzeros", ".scales")
-
-    @staticmethod
-    def detect(path: Path) -> bool:
-        return (path / "config.json").is_file() and _quant_config(path, "awq") is not None
 
     def __init__(self, path: Path):
         super().__init__(path)
-        cfg = json.loads((self.path / "config.json").read_text())
-        cfg.pop("quantization_config", None)
-        self.hf_config = cfg
-        self.qconfig = _quant_config(self.path, "awq") or {}
         version = str(self.qconfig.get("version") or self.qconfig.get("format") or "gemm").lower()
         bits = int(self.qconfig.get("bits") or self.qconfig.get("w_bit") or 0)
         gs = int(self.qconfig.get("group_size") or self.qconfig.get("q_group_size") or -1)
@@ -146,14 +116,10 @@ class AWQCheckpoint(Checkpoint):
                              "qtk reads AWQ GEMM checkpoints: 4-bit, group-wise")
         zero_point = bool(self.qconfig.get("zero_point", True))
         self.weights_scheme = QuantScheme(num_bits=BITS, type="int", symmetric=not zero_point, strategy="group", group_size=gs)
-        self.dtype = _model_dtype(cfg)
 
     def ignore_patterns(self) -> list[str]:
         # substring match, as vLLM and transformers apply modules_to_not_convert
         return [f"re:.*{re.escape(m)}.*" for m in self.qconfig.get("modules_to_not_convert") or []]
-
-    def modules(self) -> list[str]:
-        return sorted(n[: -len(".qweight")] for n in self.tensor_names() if n.endswith(".qweight"))
 
     def qtensor(self, module: str) -> QTensor:
         s = self.weights_scheme
@@ -169,13 +135,3 @@ class AWQCheckpoint(Checkpoint):
             if s.symmetric and not zero.any():
                 zero = None
         return QTensor(values, scale, s, zero, None, torch.float16)  # the kernels dequantize in the scales' fp16
-
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        qmods = set(self.modules())
-        out = {}
-        for n in self.tensor_names():
-            base, _, suffix = n.rpartition(".")
-            if base in qmods and "." + suffix in self.SUFFIXES:
-                continue
-            out[n] = self.tensor(n)
-        return out

@@ -114,32 +114,20 @@ def _per_group(t: torch.Tensor, out_features: int) -> torch.Tensor:
 
 # ---- writer ----
 
-@register_writer
-class GPTQWriter(Writer):
-    target = "gptq"
-    description = "legacy GPTQ checkpoint (qweight/qzeros/scales/g_idx)"
-    loads_in = "vLLM (gptq, gptq_marlin), GPTQModel, transformers (with optimum + gptqmodel)"
+class LegacyWriter(Writer):
+    """What the GPTQ and AWQ writers share: fp16 scales, streamed shards, and each layer's packed tensors
+    (from `encode`) and dense ones; the quantized and the ignored Linears are recorded for the config."""
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
-        self.bits = recipe.weights.num_bits
-        self.v1 = True  # until a zero point v1 cannot store turns up
-        self.v1_qzeros: list[str] = []  # qzeros already written in v1: rewritten if the checkpoint turns v2
-        self.desc_act = False
         self.ignored: list[str] = []
         self.quantized: list[str] = []
         self.fp16 = FP16Scales(self.target)
         n_expected = len(source.weight_map) * 4 + 16
         self.shards = ShardedWriter(self.dir, options.max_shard_bytes, n_expected)
 
-    @classmethod
-    def check(cls, source, recipe, options):
-        refuse_common(cls.target, recipe, options)
-        w = recipe.weights
-        if w.num_bits not in GPTQ_BITS:
-            raise UsageError(f"the gptq target stores int4 or int8 weights, not int{w.num_bits}",
-                             "use num_bits 4 or 8, or --target vllm")
-        return common_notes(cls.target, source, recipe)
+    def encode(self, mod: str, qt: QTensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
 
     def add_dense(self, name: str, tensor: torch.Tensor) -> None:
         self.shards.add(name, tensor)
@@ -152,6 +140,29 @@ class GPTQWriter(Writer):
             self.shards.add(name, t)
         self.quantized.extend(r.qweights)
         self.ignored.extend(ignored_layer_linears(self.source, r))
+
+
+@register_writer
+class GPTQWriter(LegacyWriter):
+    target = "gptq"
+    description = "legacy GPTQ checkpoint (qweight/qzeros/scales/g_idx)"
+    loads_in = "vLLM (gptq, gptq_marlin), GPTQModel, transformers (with optimum + gptqmodel)"
+
+    def __init__(self, directory, source, recipe, options):
+        super().__init__(directory, source, recipe, options)
+        self.bits = recipe.weights.num_bits
+        self.v1 = True  # until a zero point v1 cannot store turns up
+        self.v1_qzeros: list[str] = []  # qzeros already written in v1: rewritten if the checkpoint turns v2
+        self.desc_act = False
+
+    @classmethod
+    def check(cls, source, recipe, options):
+        refuse_common(cls.target, recipe, options)
+        w = recipe.weights
+        if w.num_bits not in GPTQ_BITS:
+            raise UsageError(f"the gptq target stores int4 or int8 weights, not int{w.num_bits}",
+                             "use num_bits 4 or 8, or --target vllm")
+        return common_notes(cls.target, source, recipe)
 
     def encode(self, mod: str, qt: QTensor) -> dict[str, torch.Tensor]:
         bits, s = self.bits, qt.scheme
@@ -270,24 +281,50 @@ def _model_dtype(cfg: dict) -> torch.dtype:
     return getattr(torch, dt) if isinstance(getattr(torch, dt, None), torch.dtype) else torch.float16
 
 
-@register_reader
-class GPTQCheckpoint(Checkpoint):
-    """Returns QTensors in qtk's signed convention: values q = q_u − 2^(bits−1), zero points likewise
-    (v1's stored z − 1 undone), scales exactly the fp16 on disk (as float32), g_idx only when act-order."""
+class LegacyCheckpoint(Checkpoint):
+    """What the GPTQ and AWQ readers share: detection by quant_method, the config without its quantization
+    section, modules named by their `.qweight`, and every other tensor as the dense state."""
 
-    format = "gptq"
-    SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+    METHOD = ""
+    SUFFIXES: tuple[str, ...] = ()
 
-    @staticmethod
-    def detect(path: Path) -> bool:
-        return (path / "config.json").is_file() and _quant_config(path, "gptq") is not None
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        return (path / "config.json").is_file() and _quant_config(path, cls.METHOD) is not None
 
     def __init__(self, path: Path):
         super().__init__(path)
         cfg = json.loads((self.path / "config.json").read_text())
         cfg.pop("quantization_config", None)
         self.hf_config = cfg
-        self.qconfig = _quant_config(self.path, "gptq") or {}
+        self.qconfig = _quant_config(self.path, self.METHOD) or {}
+        self.dtype = _model_dtype(cfg)
+
+    def modules(self) -> list[str]:
+        return sorted(n[: -len(".qweight")] for n in self.tensor_names() if n.endswith(".qweight"))
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        qmods = set(self.modules())
+        out = {}
+        for n in self.tensor_names():
+            base, _, suffix = n.rpartition(".")
+            if base in qmods and "." + suffix in self.SUFFIXES:
+                continue
+            out[n] = self.tensor(n)
+        return out
+
+
+@register_reader
+class GPTQCheckpoint(LegacyCheckpoint):
+    """Returns QTensors in qtk's signed convention: values q = q_u − 2^(bits−1), zero points likewise
+    (v1's stored z − 1 undone), scales exactly the fp16 on disk (as float32), g_idx only when act-order."""
+
+    format = "gptq"
+    METHOD = "gptq"
+    SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+
+    def __init__(self, path: Path):
+        super().__init__(path)
         fmt = str(self.qconfig.get("checkpoint_format") or self.qconfig.get("format") or "gptq").lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise UsageError(f"{path}: GPTQ checkpoint_format '{fmt}' is not one qtk reads",
@@ -297,7 +334,6 @@ class GPTQCheckpoint(Checkpoint):
         gs = int(self.qconfig.get("group_size", -1))
         self.weights_scheme = QuantScheme(num_bits=self.bits, type="int", symmetric=bool(self.qconfig.get("sym", True)),
                                           strategy="group" if gs > 0 else "channel", group_size=gs if gs > 0 else None)
-        self.dtype = _model_dtype(cfg)
 
     def ignore_patterns(self) -> list[str]:
         out = [] if self.qconfig.get("lm_head") else ["lm_head"]
@@ -305,9 +341,6 @@ class GPTQCheckpoint(Checkpoint):
             if pattern.startswith("-:"):  # re.match semantics: anchored at the start only
                 out.append(f"re:(?:{pattern[2:]}).*")
         return out
-
-    def modules(self) -> list[str]:
-        return sorted(n[: -len(".qweight")] for n in self.tensor_names() if n.endswith(".qweight"))
 
     def qtensor(self, module: str) -> QTensor:
         s = self.weights_scheme
@@ -324,13 +357,3 @@ class GPTQCheckpoint(Checkpoint):
             raise UsageError(f"{self.path}: {module} has {scale.shape[1]} scale groups for {in_f} inputs",
                              f"the checkpoint does not match its group_size {s.group_size}")
         return QTensor(values, scale, s, zero, g_idx, torch.float16)  # the kernels dequantize in the scales' fp16
-
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        qmods = set(self.modules())
-        out = {}
-        for n in self.tensor_names():
-            base, dot, suffix = n.rpartition(".")
-            if base in qmods and "." + suffix in self.SUFFIXES:
-                continue
-            out[n] = self.tensor(n)
-        return out
