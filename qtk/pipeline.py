@@ -215,9 +215,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
     return result, next_batches
 
 
-def _release_freed_memory() -> None:
-    """Hand memory freed with the last layer back to the OS. glibc keeps freed heap chunks (and raises its
-    mmap threshold after large frees), so without this RSS creeps up layer by layer although nothing is held."""
+def _glibc():
     global _libc
     if _libc is None:
         import ctypes
@@ -226,10 +224,31 @@ def _release_freed_memory() -> None:
         try:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _libc.malloc_trim  # noqa: B018 (not glibc: no trim)
+            _libc.mallopt  # noqa: B018
         except (OSError, AttributeError):
             _libc = False
-    if _libc:
+    return _libc
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed with the last layer back to the OS. glibc keeps freed heap chunks (and raises its
+    mmap threshold after large frees), so without this RSS creeps up layer by layer although nothing is held."""
+    if _glibc():
         _libc.malloc_trim(0)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD_BYTES = 16 << 20
+
+
+def _map_large_allocations() -> None:
+    """Serve every allocation of 16 MiB or more (wide activations, Hessians, GPTQ buffers) from its own mmap,
+    returned to the OS when freed. glibc's default threshold grows up to 32 MiB after large frees, and the heap then
+    keeps tensors freed during a layer. Measured (SmoothQuant+GPTQ, 2 layers): hidden 2048 peak RSS 1293-1334 ->
+    1176-1196 MB at about the same speed; hidden 1024 unchanged in time. A 4-8 MiB threshold saved more memory but
+    made hidden-1024 layers 25-45% slower (page faults on every activation). Process-wide and left in place."""
+    if MMAP_THRESHOLD_BYTES and _glibc():
+        _libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 _libc = None
@@ -264,6 +283,8 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
 
     resume: a qtk.resume.ResumeState; completed layers are replayed from it and each new one saved to it."""
     stats = PipelineStats()
+    if calib_ids is not None:
+        _map_large_allocations()
     t0 = time.perf_counter()
     skeleton = source.skeleton()
     if calib_ids is not None:
