@@ -46,18 +46,25 @@ def capture_inputs(layer: torch.nn.Module, batches, module: str, fn, stop: bool 
     capture_many(layer, batches, {module: fn}, stop_after=module if stop else None)
 
 
-def capture_many(layer: torch.nn.Module, batches, fns: dict, stop_after: str | None = None) -> None:
+def capture_many(layer: torch.nn.Module, batches, fns: dict, stop_after: str | None = None,
+                 stop_when_all: bool = False) -> None:
     """One forward per batch calling fns[m](x) with the input of each module m (a hook that never fires, e.g.
-    an MoE expert no token reached, is not called); the forward stops once `stop_after`'s input was seen."""
+    an MoE expert no token reached, is not called); the forward stops once `stop_after`'s input was seen, or
+    with stop_when_all once every module's input was seen in this batch (so the last module, often down_proj,
+    and whatever follows it are skipped, whatever the architecture's order)."""
+    fired: set = set()
+
     def hook(mod, args, name):
         fns[name](args[0].detach())
-        if name == stop_after:
+        fired.add(name)
+        if name == stop_after or (stop_when_all and len(fired) == len(fns)):
             raise _Captured
 
     hs_ = [layer.get_submodule(m).register_forward_pre_hook(lambda mod, args, m=m: hook(mod, args, m)) for m in fns]
     try:
         with torch.no_grad():
             for hs, kw in batches:
+                fired.clear()
                 try:
                     layer(hs, **kw)
                 except _Captured:
@@ -160,7 +167,7 @@ def apply_smoothquant(layer, arch, targets, batches, params, master: dict[str, t
                 torch.maximum(amax, x.abs().amax(0).float(), out=amax)
 
         fns[pair.observed] = obs
-    capture_many(layer, batches, fns)
+    capture_many(layer, batches, fns, stop_when_all=True)
     records = {}
     for pair in pairs:
         amax, seen = stats[pair.observed]
@@ -314,7 +321,7 @@ def _group_hessians(layer, groups, batches, recipe: Recipe, amax) -> dict:
         st[0], st[1] = accumulate_hessian(st[0], st[1], x, inplace=True)
 
     fns = {g[0]: (lambda x, g=g: acc(x, g)) for g in groups}
-    capture_many(layer, batches, fns, stop_after=groups[0][0] if len(groups) == 1 else None)
+    capture_many(layer, batches, fns, stop_when_all=True)
     return {g: tuple(st) for g, st in state.items()}
 
 

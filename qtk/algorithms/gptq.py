@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 SUB_BLOCK = 16  # columns per inner lazy-update block (see gptq_quantize)
 HESSIAN_CHUNK = 1024  # tokens converted to float32 at a time in accumulate_hessian
+SYRK_MIN = 512  # below this many inputs one GEMM is faster than the blocked symmetric product
 
 
 class CholeskyFailed(QtkError):
@@ -74,10 +75,25 @@ def accumulate_hessian(H: torch.Tensor | None, nsamples: int, X: torch.Tensor,
         return H.float().clone(), nsamples
     n = nsamples + t
     # n_old/n · H_old + 2/n · XᵀX keeps H an average, so it never grows with the number of batches
+    if not (inplace and H.dtype == torch.float32):
+        H = H.float().clone()
     with _bf16_products(exact_bf16):
-        if inplace and H.dtype == torch.float32:
-            return H.addmm_(X.t(), X, beta=nsamples / n, alpha=2.0 / n), n
-        return torch.addmm(H.float(), X.t(), X, beta=nsamples / n, alpha=2.0 / n), n
+        return _syrk_(H, X, nsamples / n, 2.0 / n), n
+
+
+def _syrk_(H: torch.Tensor, X: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
+    """H ← beta·H + alpha·XᵀX in place, for symmetric H: the diagonal blocks and the blocks above them are
+    computed (3 of 4 half-size products) and the lower half mirrored, so 3/4 of the flops of one GEMM."""
+    in_f = H.shape[0]
+    if in_f < SYRK_MIN:
+        return H.addmm_(X.t(), X, beta=beta, alpha=alpha)
+    k = in_f // 2
+    Xa, Xb = X[:, :k], X[:, k:]
+    H[:k, :k].addmm_(Xa.t(), Xa, beta=beta, alpha=alpha)
+    H[:k, k:].addmm_(Xa.t(), Xb, beta=beta, alpha=alpha)
+    H[k:, k:].addmm_(Xb.t(), Xb, beta=beta, alpha=alpha)
+    H[k:, :k] = H[:k, k:].t()
+    return H
 
 
 def _inverse_lower(L: torch.Tensor, base: int = 256) -> torch.Tensor:
