@@ -1,5 +1,5 @@
 """Per-layer calibration on one materialised decoder layer: smoothing (SmoothQuant, AWQ scales), static
-activation ranges, and the weight solvers (RTN, GPTQ true-sequential, AWQ clip + RTN).
+activation ranges, and the weight solvers (RTN, GPTQ from one Hessian pass or true-sequential, AWQ clip + RTN).
 
 The math lives in qtk.algorithms (pure functions); this module feeds them the layer's inputs and folds
 their results into the layer. The layer runs in the model dtype (bf16 matmuls are several times faster on
