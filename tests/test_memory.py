@@ -1,4 +1,4 @@
-"""Peak memory is O(one layer): converting 16 layers costs about what converting 2 layers costs."""
+"""Peak memory is O(one layer): converting 24 layers costs about what converting 4 layers costs."""
 
 import os
 import sys
@@ -25,10 +25,14 @@ def peak_rss_of_convert(model, out, recipe, calib) -> int:
 
 @pytest.mark.parametrize("recipe", ["int8-kv8"])
 def test_peak_rss_does_not_grow_with_layers(tmp_path, calib_file, recipe):
-    small = make_tiny_model(tmp_path / "l2", layers=2, **WIDTH)
-    big = make_tiny_model(tmp_path / "l16", layers=16, **WIDTH)
-    r2 = peak_rss_of_convert(small, tmp_path / "o2", recipe, calib_file)
-    r16 = peak_rss_of_convert(big, tmp_path / "o16", recipe, calib_file)
-    extra = 14 * layer_bytes(**WIDTH)
-    print(f"peak RSS 2 layers {r2 / 2**20:.0f} MiB, 16 layers {r16 / 2**20:.0f} MiB, 14 layers of bf16 weights {extra / 2**20:.0f} MiB")
-    assert r16 - r2 < 0.25 * extra
+    small = make_tiny_model(tmp_path / "l4", layers=4, **WIDTH)
+    big = make_tiny_model(tmp_path / "l24", layers=24, **WIDTH)
+    # the smaller of two runs each: a process's peak varies by about +-15 MiB from run to run
+    r4 = min(peak_rss_of_convert(small, tmp_path / f"o4-{i}", recipe, calib_file) for i in range(2))
+    r24 = min(peak_rss_of_convert(big, tmp_path / f"o24-{i}", recipe, calib_file) for i in range(2))
+    extra = 20 * layer_bytes(**WIDTH)
+    print(f"peak RSS 4 layers {r4 / 2**20:.0f} MiB, 24 layers {r24 / 2**20:.0f} MiB, 20 layers of bf16 weights {extra / 2**20:.0f} MiB")
+    # A converter that kept the layers it has done (or read them all up front) would grow by at least the added
+    # bf16 weights (120 MiB). What does grow is bounded: the in-layer peak creeps by ~20 MiB over the first dozen
+    # layers (heap fragmentation; the RSS between layers stays flat at +-2 MiB) and then stays put.
+    assert r24 - r4 < 0.5 * extra

@@ -223,8 +223,9 @@ class GPTQWriter(LegacyWriter):
             "group_size": w.group_size if w.strategy == "group" else -1,
             "desc_act": self.desc_act,
             "sym": w.symmetric,
-            # qtk's GPTQ quantizes each layer's sub-blocks in order, on inputs through the quantized earlier ones
-            "true_sequential": step is not None,
+            # the recipe's gptq.true_sequential: each sub-block's Hessian taken on inputs through the quantized earlier
+            # ones (true), or every Hessian from one forward of the unquantized layer (false, the default)
+            "true_sequential": bool(step is not None and params.true_sequential),
             "damp_percent": params.damp_percent,
             "static_groups": params.static_groups,
             "checkpoint_format": "gptq" if self.v1 else "gptq_v2",

@@ -390,7 +390,7 @@ def converted_act(tiny_llama, calib_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("act")
     r = root / "act.yaml"
     r.write_text("name: act\nweights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}\n"
-                 "algorithm: [{gptq: {actorder: true}}]\n")
+                 "algorithm: [{gptq: {actorder: true, true_sequential: true}}]\n")
     code, output = cli("convert", tiny_llama, "--recipe", r, "-o", root / "out", "--target", "gptq", "--no-hash",
                        "--calib", calib_file, "--num-samples", "8", "--seq-len", "64")
     assert code == 0, output
@@ -452,3 +452,10 @@ def test_gptqmodel_loads_through_transformers(converted, converted_v2, converted
         b = build_simulated_model(ck).eval()(ids).logits
     # the kernels round activations to fp16; the weights themselves were compared exactly above
     assert (a - b).abs().max() < 0.1
+
+
+def test_gptq_config_says_whether_true_sequential_ran(tiny_llama, calib_file, tmp_path):
+    code, output = cli("convert", tiny_llama, "--recipe", "w4a16-gptq", "-o", tmp_path / "o", "--target", "gptq",
+                       "--no-hash", "--calib", calib_file, "--num-samples", "8", "--seq-len", "64")
+    assert code == 0, output
+    assert json.loads((tmp_path / "o" / "gptq" / "config.json").read_text())["quantization_config"]["true_sequential"] is False
