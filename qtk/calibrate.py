@@ -210,22 +210,15 @@ def apply_awq(layer, arch, targets, batches, recipe: Recipe, params, dtype, mast
 
 
 def observe_input_amax(layer, arch, targets, batches) -> dict[str, float]:
-    """Per-tensor |x| max at the input of each fused group (one statistic per shared input), one forward."""
+    """Per-tensor |x| max at the input of each fused group (one statistic per shared input), one forward that
+    stops once every group's input was seen."""
     groups = sequential_groups(arch, targets)
     vals = {g[0]: 0.0 for g in groups}
-    hooks = []
-    for g in groups:
-        def hook(mod, args, head=g[0]):
-            vals[head] = max(vals[head], float(args[0].detach().abs().amax()))
 
-        hooks.append(layer.get_submodule(g[0]).register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            for hs, kw in batches:
-                layer(hs, **kw)
-    finally:
-        for h in hooks:
-            h.remove()
+    def observe(x, head):
+        vals[head] = max(vals[head], float(x.abs().amax()))
+
+    capture_many(layer, batches, {g[0]: (lambda x, h=g[0]: observe(x, h)) for g in groups}, stop_when_all=True)
     out = {t: vals[g[0]] for g in groups for t in g}
     for shared in arch.shared_input_scale:  # one static input scale for all experts, as vLLM's fused MoE uses
         members = [t for t in shared if t in out]
