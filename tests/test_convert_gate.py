@@ -38,15 +38,29 @@ def test_convert_gate_passes_and_fails_by_the_task_limit(tiny_llama, tmp_path):
     assert json.loads((out / "gate-vllm.json").read_text())["passed"] is False
 
 
-def test_convert_threads_reach_calibration_and_gate(tiny_llama, tmp_path):
+def test_convert_threads_reach_calibration_and_gate(tiny_llama, tmp_path, monkeypatch):
     import torch
 
+    from qtk import api
+
+    seen = []
+    real = api.convert
+
+    def convert(*a, **kw):  # the thread count the conversion (calibration) runs with
+        seen.append(torch.get_num_threads())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(api, "convert", convert)
     before = torch.get_num_threads()
-    out = tmp_path / "o"
-    r = CliRunner().invoke(main, ["convert", str(tiny_llama), "--recipe", "w8a16", "-o", str(out), "--no-hash",
-                                  "--threads", "1", "--gate", str(_tasks(tmp_path, 0.9))])
-    assert r.exit_code == 0, r.output
-    assert json.loads((out / "gate-vllm.json").read_text())["engine"]["threads"] == 1
-    torch.set_num_threads(before)
+    torch.set_num_threads(2)  # the session runs on one thread: start elsewhere, so --threads 1 must act
+    try:
+        out = tmp_path / "o"
+        r = CliRunner().invoke(main, ["convert", str(tiny_llama), "--recipe", "w8a16", "-o", str(out), "--no-hash",
+                                      "--threads", "1", "--gate", str(_tasks(tmp_path, 0.9))])
+        assert r.exit_code == 0, r.output
+        assert seen == [1]
+        assert json.loads((out / "gate-vllm.json").read_text())["engine"]["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
     r = CliRunner().invoke(main, ["convert", str(tiny_llama), "--recipe", "w8a16", "-o", str(out), "--threads", "0"])
     assert r.exit_code == 2 and "--threads" in r.output
