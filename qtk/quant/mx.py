@@ -13,6 +13,11 @@ X = 2^(floor(log2(amax)) − emax_elem) with emax_elem = 2 for e2m1 (max 6 = 1.5
 used for MXFP8 too). So amax = 1.7·2^e gives 2^(e−2) for MXFP4 (values up to 6.8, saturated to 6) and
 amax = 1.75·2^e gives 2^(e−1) (values up to 3.5). Elements are x / X, saturated and rounded to the
 element format (round-to-nearest-even); dequantized x ≈ q · X.
+
+Other rules in use (``mx_scales(..., rule=)``): "ocp", the spec's plain floor(log2(amax)) − emax_elem;
+"modelopt", NVIDIA ModelOpt 0.47's 2^ceil(log2(amax / elem_max)), which never saturates (MXFP4QTensor,
+MXFP8QTensor). On a random bf16 weight ModelOpt's codes differ from compressed-tensors' in about a quarter
+of the blocks (and from the plain OCP rule's in ~40 %).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ E8M0_BIAS = 127
 E8M0_NAN = 255
 FP8_E4M3_MAX = 448.0
 EMAX_ELEM = {"fp4": 2, "fp8": 8}  # floor(log2(max)) of e2m1 (6) and e4m3 (448)
+ELEM_MAX = {"fp4": 6.0, "fp8": FP8_E4M3_MAX}
+RULES = ("compressed-tensors", "ocp", "modelopt")
 
 # dtype -> (int view, mantissa bits, exponent bits), for the power-of-two rounding on the stored bits
 _BITS = {torch.float32: (torch.int32, 23, 8), torch.bfloat16: (torch.int16, 7, 8), torch.float16: (torch.int16, 10, 5)}
@@ -61,16 +68,23 @@ def _round_to_power_of_two(a: torch.Tensor) -> torch.Tensor:
     return bits.to(int_dtype).view(a.dtype)
 
 
-def mx_scales(x: torch.Tensor, elem: str) -> torch.Tensor:
-    """E8M0 scale codes of x [..., n] for elem 'fp4' or 'fp8' -> uint8 [..., n/32]."""
+def mx_scales(x: torch.Tensor, elem: str, rule: str = "compressed-tensors") -> torch.Tensor:
+    """E8M0 scale codes of x [..., n] for elem 'fp4' or 'fp8' -> uint8 [..., n/32] (rules: module docstring)."""
     if elem not in EMAX_ELEM:
         raise ValueError(f"MX element type must be one of {sorted(EMAX_ELEM)}, got {elem!r}")
+    if rule not in RULES:
+        raise ValueError(f"MX scale rule must be one of {', '.join(RULES)}, got {rule!r}")
     x = x.detach()
     if x.dtype not in _BITS:
         x = x.float()
     amax = _grouped(x).abs().amax(-1)  # [..., n/32], in x's dtype
-    e = torch.floor(torch.log2(_round_to_power_of_two(amax).float()))  # -inf for an all-zero block
-    return (e + (E8M0_BIAS - EMAX_ELEM[elem])).clamp(0, E8M0_NAN - 1).to(torch.uint8)
+    if rule == "modelopt":
+        e = torch.ceil(torch.log2(amax.float() / ELEM_MAX[elem]))  # the +127 bias below
+    else:
+        if rule == "compressed-tensors":
+            amax = _round_to_power_of_two(amax)
+        e = torch.floor(torch.log2(amax.float())) - EMAX_ELEM[elem]  # -inf for an all-zero block
+    return (e + E8M0_BIAS).clamp(0, E8M0_NAN - 1).to(torch.uint8)
 
 
 def _scale(codes: torch.Tensor) -> torch.Tensor:
@@ -83,7 +97,8 @@ def mxfp4_quantize(x: torch.Tensor, scale_codes: torch.Tensor) -> torch.Tensor:
     return fp4_encode(y).reshape(x.shape)
 
 
-def mxfp4_dequantize(codes: torch.Tensor, scale_codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def mxfp4_dequantize(codes: torch.Tensor, scale_codes: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x ≈ e2m1(codes) · 2^(scale − 127): codes uint8 [..., n] -> dtype [..., n]."""
     return (_grouped(fp4_decode(codes)) * _scale(scale_codes)).reshape(codes.shape).to(dtype)
 

@@ -111,7 +111,7 @@ def encode_sample(t) -> dict:
     if t.numel() * t.element_size() > SAMPLE_MAX_BYTES and t.dim() >= 2:
         t, rows = t[:SAMPLE_ROWS].contiguous(), SAMPLE_ROWS
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "rows": rows,
-            "hex": t.view(torch.uint8).numpy().tobytes().hex()}
+            "hex": t.reshape(-1).view(torch.uint8).numpy().tobytes().hex()}  # reshape: a 0-dim tensor has no byte view
 
 
 def decode_sample(s: dict):

@@ -50,6 +50,19 @@ def test_scale_rule(amax, elem, code):
     assert mx_scales(x, elem).tolist() == [[code]]
 
 
+@pytest.mark.parametrize("amax, ct, ocp, modelopt", [
+    (6.0, 127, 127, 127),  # fits exactly: 2^0 under every rule
+    (6.5, 127, 127, 128),  # 1.625·2²: floor rules saturate it to 6, ModelOpt's ceil never saturates
+    (7.0, 128, 127, 128),  # 1.75·2²: compressed-tensors rounds it up first
+    (1.7 * 8, 128, 128, 129),
+])
+def test_scale_rules(amax, ct, ocp, modelopt):
+    x = torch.zeros(1, 32)
+    x[0, 0] = amax
+    got = [mx_scales(x, "fp4", rule).item() for rule in ("compressed-tensors", "ocp", "modelopt")]
+    assert got == [ct, ocp, modelopt]
+
+
 def test_layout_and_refusal():
     x = torch.randn(6, 96)
     assert mx_scales(x, "fp4").shape == (6, 3) and mx_scales(x, "fp4").dtype == torch.uint8
@@ -59,6 +72,8 @@ def test_layout_and_refusal():
         mx_scales(torch.ones(2, 48), "fp4")
     with pytest.raises(ValueError, match="fp4"):
         mx_scales(x, "fp6")
+    with pytest.raises(ValueError, match="modelopt"):
+        mx_scales(x, "fp4", rule="nearest")
 
 
 def _weights(shape, dtype, seed):
