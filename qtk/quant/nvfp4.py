@@ -15,7 +15,10 @@ Conventions, as compressed-tensors 0.20 computes them (``generate_gparam``, ``ca
   to its output for fp32, bf16 and fp16 inputs.
 
 Activations (W4A4): the global input scale is static (calibrated amax), the group scales are dynamic,
-computed per token per group of 16 at run time with the same rule (``dynamic: local``).
+computed per token per group of 16 at run time with the same rule (``dynamic: local``). This follows
+compressed-tensors' order of operations (what transformers + compressed-tensors run); vLLM's emulation
+(``ref_nvfp4_quant``) forms fp32 amax·(1/6) and multiplies by the reciprocal of s/gs, which can differ
+in the last bit of a scale for bf16 inputs.
 """
 
 from __future__ import annotations
