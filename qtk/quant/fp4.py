@@ -1,0 +1,66 @@
+"""FP4 E2M1 (OCP MX v1.0 §5.3.3): the 16 codes, rounding, encoding and the two-codes-per-byte packing.
+
+An e2m1 code is 4 bits: sign (bit 3), 2 exponent bits, 1 mantissa bit. Magnitudes by code & 7:
+0, 0.5, 1, 1.5, 2, 3, 4, 6 (bias 1; code 1 is the only subnormal). No inf, no NaN; 6 is the max.
+
+Rounding is round-to-nearest, ties to the even code, with saturation at ±6 — exactly the thresholds
+of compressed-tensors' ``cast_to_fp4`` (0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4,
+5 → 4). The sign is kept for values that round to zero: −0.1 encodes as 0x8 (−0), as compressed-tensors'
+packer writes it; an exact ±0.0 encodes as 0x0 (torch.sign(−0.0) is +0 there).
+
+Packing (compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized``, vLLM, ModelOpt):
+along the last dim, element 2i in the LOW nibble and element 2i+1 in the HIGH nibble of byte i,
+stored as uint8 — so [1.0, -6.0] packs to 0xF2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP4_MAX = 6.0
+# code -> value; codes 8..15 are the negatives of 0..7 (code 8 is -0.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+# A magnitude reaches code k+1 when it is above (">") or at-or-above (">=") the midpoint between
+# values k and k+1: ">=" where the upper code is even (the tie goes up), ">" where the lower one is.
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_table(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The 16 code values as a lookup table [16]."""
+    return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+
+
+def fp4_encode(x: torch.Tensor) -> torch.Tensor:
+    """Nearest e2m1 code of each (already scaled) value, ties to even, saturating at ±6: uint8 [*] in 0..15."""
+    a = x.float().abs()
+    mag = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for mid, tie_up in _MIDPOINTS:
+        mag += (a >= mid if tie_up else a > mid).to(torch.uint8)
+    return mag | (x < 0).to(torch.uint8) << 3
+
+
+def fp4_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of e2m1 codes (uint8 [*], 0..15) -> dtype [*]."""
+    return e2m1_table(dtype, codes.device)[codes.long()]
+
+
+def fp4_round(x: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize to the e2m1 grid (float32), i.e. fp4_decode(fp4_encode(x))."""
+    return fp4_decode(fp4_encode(x))
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte along the last dim: codes [..., n] (n even) -> uint8 [..., n/2], element 2i low nibble."""
+    n = codes.shape[-1]
+    if n % 2:
+        raise ValueError(f"pack_fp4: the last dim must be even to pack two FP4 codes per byte, got {n}")
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // 2, 2)
+    return c[..., 0] | (c[..., 1] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_fp4: uint8 [..., n/2] -> codes uint8 [..., n]."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_fp4: packed FP4 is stored as uint8, got {packed.dtype}")
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
