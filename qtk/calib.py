@@ -10,7 +10,8 @@ from pathlib import Path
 
 from qtk.errors import UsageError
 
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "calib_data" / "default.jsonl"
+# package data (qtk/data/calib), so a wheel install has it too
+DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "calib" / "default.jsonl"
 
 
 def _field(rows, field: str, origin: str) -> list[str]:
@@ -28,7 +29,7 @@ def _field(rows, field: str, origin: str) -> list[str]:
 
 
 def load_texts(spec: str, text_field: str = "text", split: str = "train") -> list[str]:
-    """Texts from: 'default' (calib_data/default.jsonl), *.jsonl, *.txt, *.parquet, a local dataset
+    """Texts from: 'default' (qtk/data/calib/default.jsonl), *.jsonl, *.txt, *.parquet, a local dataset
     directory (datasets.save_to_disk or a folder of data files), or a Hugging Face dataset id ('id' or 'id:config')."""
     if spec in ("default", "", None):
         spec = str(DEFAULT_CORPUS)

@@ -47,7 +47,7 @@ def test_text_field_selects_the_column(tmp_path):
 
 
 def test_default_corpus_is_shipped_with_provenance():
-    assert DEFAULT_CORPUS.is_file(), "calib_data/default.jsonl is shipped"
+    assert DEFAULT_CORPUS.is_file(), "qtk/data/calib/default.jsonl is shipped"
     texts = load_texts("default")
     assert len(texts) >= 100 and all(isinstance(t, str) and t for t in texts)
     readme = (DEFAULT_CORPUS.parent / "README.md").read_text().lower()

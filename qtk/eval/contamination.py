@@ -6,7 +6,7 @@ Texts are normalised to lower-case word tokens (punctuation and spacing ignored)
   - it has N tokens or more and at least `threshold` of its N-grams are among the calibration texts' N-grams
     (hashed), which catches copies with a changed prefix or suffix without flagging shared phrases.
 The calibration texts are read as the conversion read them: the manifest's calibration.dataset, through
-qtk.calib.load_texts ('default' is calib_data/default.jsonl).
+qtk.calib.load_texts ('default' is qtk/data/calib/default.jsonl).
 """
 
 from __future__ import annotations
