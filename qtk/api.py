@@ -106,7 +106,7 @@ def convert(
     from qtk.checks import PostChecks
     from qtk.export import ExportOptions, writer_for
     from qtk.model.source import ModelSource
-    from qtk.pipeline import run
+    from qtk.pipeline import check_ignore, run
 
     stage = on_stage or (lambda s: None)
     timings: dict[str, float] = {}
@@ -132,6 +132,7 @@ def convert(
     for t, final in finals.items():
         if final.exists() and not overwrite:
             raise UsageError(f"output {final} already exists", "pass --overwrite to replace it, or choose another -o")
+    check_ignore(source, r)
     for t, cls in writer_classes.items():
         cls.check(source, r, options)  # refuse unsupported combinations before any work
 

@@ -14,6 +14,7 @@ import click  # noqa: E402
 
 from qtk import __version__
 from qtk.errors import QtkError
+from qtk.export import TARGETS
 
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
@@ -31,6 +32,9 @@ def _size(text: str) -> int:
     except ValueError:
         raise click.BadParameter(f"'{text}' is not a size", param_hint="--max-shard-size (e.g. 5GB, 500MB)") from None
 
+
+# calibration options default to the recipe's own values, which differ between recipes
+RECIPE_DEFAULT = "[default: the recipe's, see `qtk recipes show NAME`]"
 
 # commands that live with their feature; imported only when used, so `qtk --help` stays fast
 LAZY_COMMANDS = {"plan": "qtk.plan.cli:plan", "eval": "qtk.eval.cli:eval_cmd"}
@@ -96,12 +100,12 @@ def _console():
 @click.option("--recipe", "-r", required=True, help="Built-in recipe name (see `qtk recipes list`) or a YAML file.")
 @click.option("--output", "-o", "out", required=True, type=click.Path(path_type=str), help="Output directory; each target goes to OUT/<target>/.")
 @click.option("--target", "-t", "targets", multiple=True, default=("vllm",), show_default=True,
-              help="Output format; repeat for several (vllm, ...).")
+              help=f"Output format; repeat for several: {', '.join(TARGETS)}.")
 @click.option("--calib", default=None, help="Calibration text: 'default', a .jsonl/.txt/.parquet file, a dataset directory, or a Hugging Face dataset id.")
-@click.option("--text-field", default=None, help="Text field/column of the calibration data [recipe: text].")
-@click.option("--num-samples", type=int, default=None, help="Calibration windows [recipe: 64].")
-@click.option("--seq-len", type=int, default=None, help="Tokens per calibration window [recipe: 256].")
-@click.option("--seed", type=int, default=None, help="Seed for calibration sampling [recipe: 0].")
+@click.option("--text-field", default=None, help=f"Text field/column of the calibration data; a list of chat turns (e.g. messages) gets the model's chat template {RECIPE_DEFAULT}.")
+@click.option("--num-samples", type=int, default=None, help=f"Calibration windows {RECIPE_DEFAULT}.")
+@click.option("--seq-len", type=int, default=None, help=f"Tokens per calibration window {RECIPE_DEFAULT}.")
+@click.option("--seed", type=int, default=None, help=f"Seed for calibration sampling {RECIPE_DEFAULT}.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT/<target>/.")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks (trtllm target).")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel ranks (trtllm target).")
@@ -223,8 +227,18 @@ def recipes_list():
     t = Table("recipe", "scheme", "algorithm", "calibration")
     for name in builtin_recipes():
         r = load_recipe(name)
-        t.add_row(name, r.summary(), " → ".join(r.step_names), "yes" if r.needs_calibration else "no")
+        c = r.calibration
+        t.add_row(name, r.summary(), " → ".join(r.step_names), f"{c.num_samples} × {c.seq_len}" if r.needs_calibration else "none")
     Console().print(t)
+
+
+def _calibration_line(r) -> str:
+    """The calibration a recipe uses, with the values its YAML leaves to the defaults."""
+    if not r.needs_calibration:
+        return "calibration: none (no step looks at data; --calib and its options are not used)"
+    c = r.calibration
+    return (f"calibration: {c.num_samples} samples × {c.seq_len} tokens from {c.dataset!r} (field {c.text_field!r}, "
+            f"seed {c.seed}); --calib, --num-samples, --seq-len, --seed and --text-field override it")
 
 
 @recipes.command("show")
@@ -236,6 +250,7 @@ def recipes_show(name):
     r = load_recipe(name)
     click.echo(r.text.rstrip())
     click.echo(f"# {r.summary()}; algorithm: {' -> '.join(r.step_names)}; hash {r.hash}")
+    click.echo(f"# {_calibration_line(r)}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,27 @@ def target_linears(source, recipe: Recipe, i: int) -> list[str]:
     return kept
 
 
+def check_ignore(source, recipe: Recipe) -> None:
+    """Before any work: every ignore pattern names at least one Linear of the model (a typo would otherwise
+    quantize what the user meant to keep), lm_head is among the ignored (qtk quantizes decoder-layer Linears
+    only and writes lm_head in 16 bits, so a recipe that does not ignore it would not say what happens), and
+    no layer's fused group is split."""
+    arch = source.arch
+    linears = [source.layer_prefix(i) + m for i in range(source.num_layers) for m in (*arch.linears, *arch.dense_linears)]
+    linears.append(arch.lm_head)
+    for p in recipe.ignore:
+        if not any(matches(n, (p,)) for n in linears):
+            raise UsageError(f"recipe {recipe.name}: ignore pattern {p!r} matches no Linear of this {arch.name} model",
+                             f"fix or remove it; Linears are named like {linears[0]} or {arch.lm_head} "
+                             "(a dotted suffix such as 'mlp.down_proj', or 're:' and a full-match regex)")
+    if not matches(arch.lm_head, recipe.ignore):
+        raise UsageError(f"recipe {recipe.name}: ignore does not list {arch.lm_head}, but qtk keeps {arch.lm_head} in 16 bits "
+                         "(it quantizes the decoder layers' Linears only)",
+                         f"add {arch.lm_head} to the recipe's ignore list, e.g. 'ignore: [{arch.lm_head}]'")
+    for i in range(source.num_layers):
+        target_linears(source, recipe, i)
+
+
 def compute_dtype(source) -> torch.dtype:
     """The dtype calibration forwards run in: the model's (bf16 matmuls are several times faster than fp32 on
     CPUs, and it is what the engine runs), except float16, whose range real activations can overflow."""

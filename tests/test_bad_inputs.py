@@ -81,6 +81,9 @@ CATALOGUE = {
     "recipe-is-dir": "recipe path is a directory",
     "recipe-duplicate-key": "recipe with a key given twice",
     "recipe-fp8-asym": "fp8 recipe with asymmetric weights",
+    "recipe-ignore-no-match": "recipe ignore pattern that names no Linear of the model",
+    "recipe-ignore-empty": "recipe with 'ignore: []' (lm_head stays 16-bit in every output)",
+    "recipe-ignore-splits-group": "recipe ignore that splits a fused group (q/k/v)",
     # the output
     "output-is-file": "-o names an existing file",
     "output-under-file": "-o below an existing file",
@@ -354,6 +357,21 @@ def test_recipe_file(tmp_path, tiny_llama, case, content, needles):
     else:
         p.write_bytes(content)
     code, out = convert(tmp_path, tiny_llama, recipe=p)
+    expect(case, code, out, tmp_path, *needles)
+
+
+@pytest.mark.parametrize("case,ignore,needles", [
+    ("recipe-ignore-no-match", "[lm_head, mlp.down_prj]",
+     ("ignore pattern 'mlp.down_prj' matches no Linear of this llama model", "model.layers.0.self_attn.q_proj")),
+    ("recipe-ignore-empty", "[]", ("ignore does not list lm_head", "keeps lm_head in 16 bits", "'ignore: [lm_head]'")),
+    ("recipe-ignore-splits-group", "[lm_head, 're:.*layers\\.1\\.self_attn\\.k_proj']",
+     ("ignore splits the fused group self_attn.q_proj, self_attn.k_proj, self_attn.v_proj in layer 1", "together")),
+])
+def test_recipe_ignore(tmp_path, tiny_llama, case, ignore, needles):
+    """Refused before any work: the calibration file named here does not even exist."""
+    p = tmp_path / "r.yaml"
+    p.write_text(f"name: r\nweights: {{num_bits: 8}}\nactivations: {{num_bits: 8, strategy: tensor}}\nignore: {ignore}\n")
+    code, out = convert(tmp_path, tiny_llama, "--calib", tmp_path / "missing.jsonl", recipe=p)
     expect(case, code, out, tmp_path, *needles)
 
 

@@ -143,6 +143,29 @@ def test_recipes_list_and_show():
     assert code == 0 and "kv_cache" in out and "name: fp8-kv8" in out
 
 
+def test_target_help_lists_every_target():
+    from qtk.export import TARGETS, available_targets
+
+    assert sorted(TARGETS) == available_targets()
+    code, out = run("convert", "--help")
+    assert code == 0
+    assert f"repeatforseveral:{','.join(TARGETS)}." in "".join(out.split())  # click wraps lines at hyphens too
+
+
+def test_calibration_defaults_are_the_recipes():
+    """--help must not name one recipe's value (w4a16-gptq calibrates on 128 windows, int8-kv8 on 64);
+    `qtk recipes show` prints what a recipe uses, defaults included."""
+    code, out = run("convert", "--help")
+    text = "".join(out.split())
+    assert "[recipe:" not in text and text.count("[default:therecipe's,see`qtkrecipesshowNAME`]") == 4
+    code, out = run("recipes", "show", "w4a16-gptq")
+    assert code == 0 and "# calibration: 128 samples × 256 tokens from 'default' (field 'text', seed 0)" in out
+    code, out = run("recipes", "show", "int8-kv8")
+    assert "# calibration: 64 samples × 256 tokens" in out
+    code, out = run("recipes", "show", "w8a16")
+    assert "# calibration: none" in out
+
+
 def test_inspect_fails_on_uncalibrated_kv_scales(tmp_path, tiny_llama, calib_file):
     """A checkpoint whose KV scales are all 1.0 (the classic silent failure) is caught: exit 1."""
     code, out = run("convert", tiny_llama, "--recipe", "fp8-kv8", "-o", tmp_path / "o", "--calib", calib_file,
