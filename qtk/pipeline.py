@@ -39,6 +39,26 @@ class LayerResult:
     records: dict = field(default_factory=dict)  # small search results (smoothing scales, clips, GPTQ damping)
 
 
+@dataclass(frozen=True)
+class LayerDone:
+    """What on_layer receives after each decoder layer: its small statistics, for progress displays (no tensors)."""
+
+    index: int
+    weight_error: dict[str, float]  # full module name -> ||W - Q(W)|| / ||W||
+    gptq_loss: dict[str, float]  # full module name -> GPTQ loss (mean output error), GPTQ recipes only
+    replayed: bool = False  # restored from --resume state, not computed in this run
+
+    @classmethod
+    def of(cls, r: LayerResult, replayed: bool = False) -> "LayerDone":
+        losses = {}
+        for name, info in (r.records.get("gptq") or {}).items():  # keyed by the layer-relative name
+            if isinstance(info, dict) and info.get("loss") is not None:
+                # the full name is layer prefix + name: the shortest full name ending in it
+                full = min((m for m in r.weight_error if m.endswith("." + name)), key=len, default=name)
+                losses[full] = float(info["loss"])
+        return cls(r.index, dict(r.weight_error), losses, replayed)
+
+
 class _StopForward(Exception):
     """Raised by the layer-0 catcher: the rest of the model need not (and cannot, on meta) run."""
 
@@ -299,10 +319,11 @@ class PipelineStats:
 
 
 def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, batch_size: int = 8,
-        on_layer: Callable[[int, int], None] | None = None, resume=None) -> PipelineStats:
+        on_layer: Callable[[int, int, LayerDone], None] | None = None, resume=None) -> PipelineStats:
     """Stream the model through the recipe into every sink (writer): dense tensors, then layer by layer.
 
-    resume: a qtk.resume.ResumeState; completed layers are replayed from it and each new one saved to it."""
+    on_layer(done, total, LayerDone) after each layer. resume: a qtk.resume.ResumeState; completed layers
+    are replayed from it and each new one saved to it."""
     stats = PipelineStats()
     if calib_ids is not None:
         _map_large_allocations()
@@ -329,7 +350,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
                 s.add_layer(r)
             stats.record(r)
             if on_layer:
-                on_layer(i + 1, n)
+                on_layer(i + 1, n, LayerDone.of(r, replayed=True))
         if batches is not None and start < n:
             batches = [(h, kw) for h, (_, kw) in zip(resume.load_hidden(), batches)]
     t_layers = time.perf_counter()
@@ -346,8 +367,9 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
         _release_freed_memory()
         if resume is not None:
             resume.save_layer(result, None if batches is None else [h for h, _ in batches])
+        done = LayerDone.of(result)
         del result
         if on_layer:
-            on_layer(i + 1, n)
+            on_layer(i + 1, n, done)
     stats.timings["layers"] = time.perf_counter() - t_layers
     return stats

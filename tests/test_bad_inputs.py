@@ -23,6 +23,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from models import message_lines
 from qtk.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +67,8 @@ CATALOGUE = {
     "parquet-not-text": "parquet text column holds numbers",
     "parquet-corrupt": "parquet file that is not parquet",
     "calib-empty-dir": "calibration directory with no data files",
+    "calib-split-missing": "--split that the calibration dataset does not have",
+    "calib-chat-no-template": "chat turns (--text-field messages) for a model without a chat template",
     # options
     "seq-len-too-long": "--seq-len above max_position_embeddings",
     "num-samples-zero": "--num-samples 0",
@@ -106,7 +109,7 @@ def leftovers(out: Path) -> list[str]:
 
 def expect(case: str, code: int, output: str, tmp: Path, *needles: str, exit_code: int = 2, prefix: str = "error: ") -> None:
     assert case in CATALOGUE, case
-    lines = [line for line in output.strip().splitlines() if line.strip()]
+    lines = message_lines(output)  # progress lines may precede the error in logs
     assert code == exit_code, output
     assert len(lines) == 1 and lines[0].startswith(prefix), output
     msg = lines[0].replace(str(tmp.resolve()), "<tmp>").replace(str(tmp), "<tmp>")
@@ -320,6 +323,19 @@ def test_calibration_directory_without_data(tmp_path, tiny_llama):
     (tmp_path / "calib").mkdir()
     code, out = convert(tmp_path, tiny_llama, "--calib", tmp_path / "calib", recipe="int8-kv8")
     expect("calib-empty-dir", code, out, tmp_path, "calibration dataset", "not found", "local file")
+
+
+def test_calibration_split_and_chat(tmp_path, tiny_llama):
+    d = tmp_path / "files"
+    d.mkdir()
+    (d / "train.jsonl").write_text(json.dumps({"text": "hello world " * 40}) + "\n")
+    code, out = convert(tmp_path, tiny_llama, "--calib", d, "--split", "test", recipe="int8-kv8")
+    expect("calib-split-missing", code, out, tmp_path, "has no split 'test' (it has: train)", "--split")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    code, out = convert(tmp_path, tiny_llama, "--calib", chat, "--text-field", "messages", recipe="int8-kv8")
+    expect("calib-chat-no-template", code, out, tmp_path, "holds chat turns, but the model's tokenizer has no chat template",
+           "--text-field")
 
 
 # ---- options ----
