@@ -1,4 +1,4 @@
-"""The sequential calibration loop (DESIGN.md §1): capture the inputs of layer 0, then per decoder layer:
+"""The sequential calibration loop (docs/architecture.md): capture the inputs of layer 0, then per decoder layer:
 load it from disk, observe its inputs, quantize it, run the quantized layer to produce the next
 layer's inputs, hand a LayerResult to the writers, free it. Memory stays O(one layer)."""
 
