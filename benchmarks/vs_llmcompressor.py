@@ -30,7 +30,7 @@ Three models:
   perplexity: examples/tiny-llama (a trained char-level Llama; a random model of its shape while it is not
     there), one run per tool, and the unquantized model.
 
-Calibration ids are computed once per model with qtk.calib.calibration_ids on calib_data/default.jsonl, saved,
+Calibration ids are computed once per model with qtk.calib.calibration_ids on qtk/data/calib/default.jsonl, saved,
 and fed unchanged to both tools (qtk: qtk.api.convert(calib_ids=ids); llm-compressor: a pre-tokenized dataset).
 Each conversion runs in its own process, model loading included; peak RSS is that child's ru_maxrss, started
 from a bare interpreter (Linux would otherwise count this process's own RSS as the child's: see run_measured). qtk writes
@@ -427,7 +427,7 @@ def main():
                     "note": "shared cores: other jobs may run beside this benchmark, so compare the paired ratios"},
         "settings": {"num_samples": a.num_samples, "seq_len": a.seq_len, "seed": a.seed, "repeats": a.repeats,
                      "batch_size": bs, "child_env": CHILD_ENV, "qtk_recipes": {s: QTK_RECIPES[s] for s in a.schemes},
-                     "calib_ids_sha256_16": hashes, "calibration_corpus": "calib_data/default.jsonl"},
+                     "calib_ids_sha256_16": hashes, "calibration_corpus": "qtk/data/calib/default.jsonl"},
         "models": {"timing": {"source": f"tests/models.py make_tiny_model (random, bf16), {a.layers} layers", **shape_of(big_dir)},
                    "perplexity": {"source": ppl_model, **shape_of(ppl_dir)}},
         "perplexity_eval": {"texts": texts_src, "n_texts": len(texts), "tokens": n_tokens,

@@ -29,7 +29,7 @@ TRAIN_SEED = 0
 CALIB_SEED = 1
 EVAL_SEED = 2
 
-# Shape of the shipped calibration set (calib_data/default.jsonl, written by make_calib.py):
+# Shape of the shipped calibration set (qtk/data/calib/default.jsonl, written by make_calib.py):
 # CALIB_N texts of whole lines joined by newlines, each at least CALIB_MIN_CHARS characters, so
 # every text is >= 256 tokens with the character tokenizer.  make_tasks.py regenerates exactly
 # this set to keep evaluation examples out of it.

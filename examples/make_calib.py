@@ -1,4 +1,4 @@
-"""Regenerate the shipped calibration set, calib_data/default.jsonl, from examples/corpus.py.
+"""Regenerate the shipped calibration set, qtk/data/calib/default.jsonl, from examples/corpus.py.
 
     .venv/bin/python examples/make_calib.py
 
@@ -22,7 +22,7 @@ import corpus  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=HERE.parent / "calib_data" / "default.jsonl")
+    p.add_argument("--out", type=Path, default=HERE.parent / "qtk" / "data" / "calib" / "default.jsonl")
     p.add_argument("--seed", type=int, default=corpus.CALIB_SEED)
     p.add_argument("--n", type=int, default=corpus.CALIB_N)
     p.add_argument("--min-chars", type=int, default=corpus.CALIB_MIN_CHARS)

@@ -6,9 +6,9 @@ Held-out means two things here:
   1. a seed (EVAL_SEED) different from the training and calibration seeds, and
   2. no example whose exact text appears in the training data or the calibration set: the script
      regenerates the training prefix the shipped model consumed (its length is read from
-     examples/tiny-llama/training.json) and calib_data/default.jsonl's generator, and drops every
+     examples/tiny-llama/training.json) and qtk/data/calib/default.jsonl's generator, and drops every
      overlap, and any duplicate inside a file, before taking the first --n survivors;
-  3. no example that `qtk eval`'s contamination check flags against calib_data/default.jsonl (a
+  3. no example that `qtk eval`'s contamination check flags against qtk/data/calib/default.jsonl (a
      near-duplicate: half of its 13-word n-grams in the calibration texts, or a short example found
      whole inside one), so the shipped suite gates without a contamination warning.
 
@@ -55,7 +55,7 @@ def calibration_index():
     """qtk eval's own contamination index over the shipped calibration texts."""
     from qtk.eval.contamination import CalibrationIndex
 
-    calib = HERE.parent / "calib_data" / "default.jsonl"
+    calib = HERE.parent / "qtk" / "data" / "calib" / "default.jsonl"
     return CalibrationIndex([json.loads(line)["text"] for line in calib.read_text().splitlines() if line.strip()])
 
 

@@ -7,7 +7,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from qtk.errors import CheckFailed, QtkError, UsageError
 
@@ -17,6 +17,9 @@ class Interrupted(QtkError):
 
     exit_code = 130
 from qtk.recipe import Recipe, load_recipe
+
+if TYPE_CHECKING:
+    from qtk.pipeline import LayerDone
 
 
 @dataclass
@@ -76,6 +79,7 @@ def convert(
     calib: str | None = None,
     calib_ids=None,
     text_field: str | None = None,
+    split: str | None = None,
     num_samples: int | None = None,
     seq_len: int | None = None,
     seed: int | None = None,
@@ -89,7 +93,7 @@ def convert(
     hash_source: bool = True,
     resume: bool = False,
     on_stage: Callable[[str], None] | None = None,
-    on_layer: Callable[[int, int], None] | None = None,
+    on_layer: Callable[[int, int, LayerDone], None] | None = None,
 ) -> ConvertResult:
     """Quantize `model` with `recipe` and write one checkpoint per target under `out/<target>/`.
 
@@ -98,15 +102,17 @@ def convert(
 
     calib_ids: pre-tokenized calibration samples, an integer tensor [num_samples, seq_len], used as they are
     (instead of calib / num_samples / seq_len / seed), e.g. to give several tools the exact same tokens.
+    on_stage(text) names each stage; on_layer(done, total, qtk.pipeline.LayerDone) follows each decoder layer
+    with its statistics (relative weight error per Linear, GPTQ loss). Warnings go to the "qtk" logger.
     """
     import torch
 
     from qtk import __version__
-    from qtk.calib import calibration_ids, ids_hash, load_texts
+    from qtk.calib import ChatTemplate, calibration_ids, ids_hash, load_texts
     from qtk.checks import PostChecks
     from qtk.export import ExportOptions, writer_for
     from qtk.model.source import ModelSource
-    from qtk.pipeline import run
+    from qtk.pipeline import check_ignore, run
 
     stage = on_stage or (lambda s: None)
     timings: dict[str, float] = {}
@@ -132,18 +138,21 @@ def convert(
     for t, final in finals.items():
         if final.exists() and not overwrite:
             raise UsageError(f"output {final} already exists", "pass --overwrite to replace it, or choose another -o")
+    check_ignore(source, r)
     for t, cls in writer_classes.items():
         cls.check(source, r, options)  # refuse unsupported combinations before any work
 
     calib_info: dict = {"used": False}
     ids = None
+    _warn_unused_calibration(r, calib=calib, calib_ids=calib_ids, text_field=text_field, split=split,
+                             num_samples=num_samples, seq_len=seq_len, seed=seed)
     if r.needs_calibration and calib_ids is not None:
         ids = torch.as_tensor(calib_ids)
         if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 or ids.is_floating_point() or ids.is_complex():
             raise UsageError(f"calib_ids must be an integer tensor [num_samples, seq_len >= 2], got {ids.dtype} {list(ids.shape)}",
                              "pass token ids shaped [num_samples, seq_len], e.g. from qtk.calib.calibration_ids")
-        if calib is not None or num_samples is not None or seq_len is not None or seed is not None:
-            raise UsageError("calib_ids is given together with calib / num_samples / seq_len / seed",
+        if any(v is not None for v in (calib, num_samples, seq_len, seed, text_field, split)):
+            raise UsageError("calib_ids is given together with calib / num_samples / seq_len / seed / text_field / split",
                              "give either pre-tokenized calib_ids or the options that make them, not both")
         vocab = getattr(source.config, "vocab_size", None)
         if vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
@@ -156,7 +165,9 @@ def convert(
         t0 = time.perf_counter()
         c = r.calibration
         spec = calib or c.dataset
-        texts = load_texts(spec, text_field or c.text_field)
+        field_ = text_field or c.text_field
+        chat = ChatTemplate(source.tokenizer)  # applied to a field that holds chat turns
+        texts = load_texts(spec, field_, split, chat=chat)
         n = c.num_samples if num_samples is None else num_samples
         T = c.seq_len if seq_len is None else seq_len
         s = c.seed if seed is None else seed
@@ -165,8 +176,12 @@ def convert(
         max_pos = getattr(source.config, "max_position_embeddings", None)
         if max_pos and T > max_pos:
             raise UsageError(f"--seq-len {T} exceeds the model's max_position_embeddings {max_pos}", f"use --seq-len {max_pos} or less")
-        ids = calibration_ids(source.tokenizer(), texts, n, T, s)
-        calib_info = {"used": True, "dataset": spec, "num_samples": n, "seq_len": T, "seed": s, "token_hash": ids_hash(ids)}
+        ids = calibration_ids(chat.tokenizer, texts, n, T, s)
+        calib_info = {"used": True, "dataset": spec, "text_field": field_, "split": split, "num_samples": n, "seq_len": T,
+                      "seed": s, "token_hash": ids_hash(ids)}
+        if chat.conversations:
+            calib_info["chat_template"] = {"applied": True, "conversations": chat.conversations, "sha256": chat.template_sha256,
+                                           "note": f"each '{field_}' conversation was rendered with the model's chat template"}
         timings["calibration_data"] = time.perf_counter() - t0
 
     try:
@@ -260,6 +275,19 @@ def convert(
         state.discard()
     del torch
     return ConvertResult(outputs=finals, notes={w.target: w.notes for w in writers}, timings=timings, manifest=manifest)
+
+
+def _warn_unused_calibration(recipe: Recipe, **given) -> None:
+    """A recipe that looks at no data ignores the calibration options: say so instead of silently dropping them."""
+    if recipe.needs_calibration:
+        return
+    names = [f"--{k.replace('_', '-')}" if k != "calib_ids" else "calib_ids" for k, v in given.items() if v is not None]
+    if names:
+        import logging
+
+        logging.getLogger("qtk.api").warning(
+            "recipe %s uses no calibration data (no step looks at activations): %s %s ignored",
+            recipe.name, ", ".join(names), "is" if len(names) == 1 else "are")
 
 
 def _expert_stats(stats, recipe: Recipe, writers) -> dict:

@@ -14,6 +14,7 @@ import click  # noqa: E402
 
 from qtk import __version__
 from qtk.errors import QtkError
+from qtk.export import TARGETS
 
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
@@ -31,6 +32,9 @@ def _size(text: str) -> int:
     except ValueError:
         raise click.BadParameter(f"'{text}' is not a size", param_hint="--max-shard-size (e.g. 5GB, 500MB)") from None
 
+
+# calibration options default to the recipe's own values, which differ between recipes
+RECIPE_DEFAULT = "[default: the recipe's, see `qtk recipes show NAME`]"
 
 # commands that live with their feature; imported only when used, so `qtk --help` stays fast
 LAZY_COMMANDS = {"plan": "qtk.plan.cli:plan", "eval": "qtk.eval.cli:eval_cmd"}
@@ -85,23 +89,18 @@ def main():
     """
 
 
-def _console():
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
 @main.command()
 @click.argument("model", type=click.Path(file_okay=False, path_type=str))
 @click.option("--recipe", "-r", required=True, help="Built-in recipe name (see `qtk recipes list`) or a YAML file.")
 @click.option("--output", "-o", "out", required=True, type=click.Path(path_type=str), help="Output directory; each target goes to OUT/<target>/.")
 @click.option("--target", "-t", "targets", multiple=True, default=("vllm",), show_default=True,
-              help="Output format; repeat for several (vllm, ...).")
+              help=f"Output format; repeat for several: {', '.join(TARGETS)}.")
 @click.option("--calib", default=None, help="Calibration text: 'default', a .jsonl/.txt/.parquet file, a dataset directory, or a Hugging Face dataset id.")
-@click.option("--text-field", default=None, help="Text field/column of the calibration data [recipe: text].")
-@click.option("--num-samples", type=int, default=None, help="Calibration windows [recipe: 64].")
-@click.option("--seq-len", type=int, default=None, help="Tokens per calibration window [recipe: 256].")
-@click.option("--seed", type=int, default=None, help="Seed for calibration sampling [recipe: 0].")
+@click.option("--split", default=None, help="Split of a calibration dataset directory or hub id [train, or its only split].")
+@click.option("--text-field", default=None, help=f"Text field/column of the calibration data; a list of chat turns (e.g. messages) gets the model's chat template {RECIPE_DEFAULT}.")
+@click.option("--num-samples", type=int, default=None, help=f"Calibration windows {RECIPE_DEFAULT}.")
+@click.option("--seq-len", type=int, default=None, help=f"Tokens per calibration window {RECIPE_DEFAULT}.")
+@click.option("--seed", type=int, default=None, help=f"Seed for calibration sampling {RECIPE_DEFAULT}.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT/<target>/.")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks (trtllm target).")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel ranks (trtllm target).")
@@ -115,62 +114,66 @@ def _console():
 @click.option("--resume", is_flag=True, help="Save per-layer state in OUT/.qtk-resume and continue an interrupted run of the same command from its last finished layer.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for calibration and the --gate run [torch's default: one per core]; fewer can be faster on a busy machine.")
-def convert(model, recipe, out, targets, calib, text_field, num_samples, seq_len, seed, overwrite, tp, pp,
+def convert(model, recipe, out, targets, calib, split, text_field, num_samples, seq_len, seed, overwrite, tp, pp,
             max_shard_size, batch_size, allow_pickle, trust_remote_code, no_hash, gate, resume, threads):
     """Quantize MODEL (a local Hugging Face directory) with a recipe into engine-ready checkpoints."""
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     from qtk import api
+    from qtk.progress import Reporter, layer_detail
 
-    console = _console()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task("loading", total=None)
+    with Reporter("qtk convert", unit="layer") as rep:
+        if rep.interactive:  # a bar from the start; a log's first line comes with the first real work
+            rep.stage("reading the model")
 
-        def on_stage(s):
-            progress.update(task, description=s)
+        def on_layer(done, total, layer):
+            rep.step(done, total, layer_detail(layer, short=rep.interactive), replayed=layer.replayed)
 
-        def on_layer(i, n):
-            progress.update(task, description="quantizing layers", completed=i, total=n)
-
-        res = api.convert(model, recipe, out, targets=targets, calib=calib, text_field=text_field, num_samples=num_samples,
-                          seq_len=seq_len, seed=seed, overwrite=overwrite, tp=tp, pp=pp,
+        res = api.convert(model, recipe, out, targets=targets, calib=calib, text_field=text_field, split=split,
+                          num_samples=num_samples, seq_len=seq_len, seed=seed, overwrite=overwrite, tp=tp, pp=pp,
                           max_shard_bytes=_size(max_shard_size), batch_size=batch_size, allow_pickle=allow_pickle,
                           trust_remote_code=trust_remote_code, hash_source=not no_hash, resume=resume,
-                          on_stage=on_stage, on_layer=on_layer)
+                          on_stage=rep.stage, on_layer=on_layer)
     for t, path in res.outputs.items():
         click.echo(f"wrote {t}: {path}")
         for n in res.notes.get(t, []):
             click.echo(f"  note: {n}")
     click.echo(f"recipe {res.manifest['recipe']['name']} ({res.manifest['recipe']['summary']}) in {res.timings['total']:.1f}s")
+    if not gate:
+        _next_steps(res.outputs, model)
     if gate:
         from pathlib import Path
 
-        from qtk.eval.api import run_gate
-        from qtk.eval.cli import _summary
+        from qtk.eval.cli import _summary, gate_with_progress
 
         failed = []
         for t, path in res.outputs.items():
             click.echo(f"gating {t} with {gate}", err=True)
             base = Path(out) / f"gate-{t}"
-            result = run_gate(path, model, gate, json_path=f"{base}.json", junit=f"{base}.xml", markdown=f"{base}.md",
-                              threads=threads, progress=lambda m: click.echo(f"[qtk eval] {m}", err=True))
+            result = gate_with_progress(path, model, gate, json_path=f"{base}.json", junit=f"{base}.xml",
+                                        markdown=f"{base}.md", threads=threads)
             click.echo(_summary(result))
             if not result.passed:
                 failed.append(t)
+        _next_steps(res.outputs, model)
         if failed:
             click.echo(f"gate failed for: {', '.join(failed)}", err=True)
             sys.exit(1)
+
+
+def _next_steps(outputs: dict, model: str) -> None:
+    """What to run next: the check, the gate and the serving flags, which each output's README spells out."""
+    import shlex
+
+    click.echo("next:")
+    for t, path in outputs.items():
+        click.echo(f"  qtk inspect {shlex.quote(str(path))}")
+    first = next(iter(outputs.values()))
+    click.echo(f"  qtk eval {shlex.quote(str(first))} --baseline {shlex.quote(str(model))} --tasks TASKS.yaml")
+    readmes = ", ".join(shlex.quote(str(p / 'README.md')) for p in outputs.values())
+    click.echo(f"  serving commands and flags: {readmes}")
 
 
 @main.command()
@@ -223,8 +226,18 @@ def recipes_list():
     t = Table("recipe", "scheme", "algorithm", "calibration")
     for name in builtin_recipes():
         r = load_recipe(name)
-        t.add_row(name, r.summary(), " → ".join(r.step_names), "yes" if r.needs_calibration else "no")
+        c = r.calibration
+        t.add_row(name, r.summary(), " → ".join(r.step_names), f"{c.num_samples} × {c.seq_len}" if r.needs_calibration else "none")
     Console().print(t)
+
+
+def _calibration_line(r) -> str:
+    """The calibration a recipe uses, with the values its YAML leaves to the defaults."""
+    if not r.needs_calibration:
+        return "calibration: none (no step looks at data; --calib and its options are not used)"
+    c = r.calibration
+    return (f"calibration: {c.num_samples} samples × {c.seq_len} tokens from {c.dataset!r} (field {c.text_field!r}, "
+            f"seed {c.seed}); --calib, --num-samples, --seq-len, --seed and --text-field override it")
 
 
 @recipes.command("show")
@@ -236,6 +249,7 @@ def recipes_show(name):
     r = load_recipe(name)
     click.echo(r.text.rstrip())
     click.echo(f"# {r.summary()}; algorithm: {' -> '.join(r.step_names)}; hash {r.hash}")
+    click.echo(f"# {_calibration_line(r)}")
 
 
 if __name__ == "__main__":

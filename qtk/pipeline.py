@@ -1,4 +1,4 @@
-"""The sequential calibration loop (DESIGN.md §1): capture the inputs of layer 0, then per decoder layer:
+"""The sequential calibration loop (docs/architecture.md): capture the inputs of layer 0, then per decoder layer:
 load it from disk, observe its inputs, quantize it, run the quantized layer to produce the next
 layer's inputs, hand a LayerResult to the writers, free it. Memory stays O(one layer)."""
 
@@ -37,6 +37,26 @@ class LayerResult:
     v_amax: float | None = None
     weight_error: dict[str, float] = field(default_factory=dict)  # full module name -> ||W - Q(W)|| / ||W||
     records: dict = field(default_factory=dict)  # small search results (smoothing scales, clips, GPTQ damping)
+
+
+@dataclass(frozen=True)
+class LayerDone:
+    """What on_layer receives after each decoder layer: its small statistics, for progress displays (no tensors)."""
+
+    index: int
+    weight_error: dict[str, float]  # full module name -> ||W - Q(W)|| / ||W||
+    gptq_loss: dict[str, float]  # full module name -> GPTQ loss (mean output error), GPTQ recipes only
+    replayed: bool = False  # restored from --resume state, not computed in this run
+
+    @classmethod
+    def of(cls, r: LayerResult, replayed: bool = False) -> "LayerDone":
+        losses = {}
+        for name, info in (r.records.get("gptq") or {}).items():  # keyed by the layer-relative name
+            if isinstance(info, dict) and info.get("loss") is not None:
+                # the full name is layer prefix + name: the shortest full name ending in it
+                full = min((m for m in r.weight_error if m.endswith("." + name)), key=len, default=name)
+                losses[full] = float(info["loss"])
+        return cls(r.index, dict(r.weight_error), losses, replayed)
 
 
 class _StopForward(Exception):
@@ -86,6 +106,27 @@ def target_linears(source, recipe: Recipe, i: int) -> list[str]:
             raise UsageError(f"ignore splits the fused group {', '.join(g)} in layer {i}",
                              "ignore all of q/k/v (or gate/up) together, or none")
     return kept
+
+
+def check_ignore(source, recipe: Recipe) -> None:
+    """Before any work: every ignore pattern names at least one Linear of the model (a typo would otherwise
+    quantize what the user meant to keep), lm_head is among the ignored (qtk quantizes decoder-layer Linears
+    only and writes lm_head in 16 bits, so a recipe that does not ignore it would not say what happens), and
+    no layer's fused group is split."""
+    arch = source.arch
+    linears = [source.layer_prefix(i) + m for i in range(source.num_layers) for m in (*arch.linears, *arch.dense_linears)]
+    linears.append(arch.lm_head)
+    for p in recipe.ignore:
+        if not any(matches(n, (p,)) for n in linears):
+            raise UsageError(f"recipe {recipe.name}: ignore pattern {p!r} matches no Linear of this {arch.name} model",
+                             f"fix or remove it; Linears are named like {linears[0]} or {arch.lm_head} "
+                             "(a dotted suffix such as 'mlp.down_proj', or 're:' and a full-match regex)")
+    if not matches(arch.lm_head, recipe.ignore):
+        raise UsageError(f"recipe {recipe.name}: ignore does not list {arch.lm_head}, but qtk keeps {arch.lm_head} in 16 bits "
+                         "(it quantizes the decoder layers' Linears only)",
+                         f"add {arch.lm_head} to the recipe's ignore list, e.g. 'ignore: [{arch.lm_head}]'")
+    for i in range(source.num_layers):
+        target_linears(source, recipe, i)
 
 
 def compute_dtype(source) -> torch.dtype:
@@ -278,10 +319,11 @@ class PipelineStats:
 
 
 def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, batch_size: int = 8,
-        on_layer: Callable[[int, int], None] | None = None, resume=None) -> PipelineStats:
+        on_layer: Callable[[int, int, LayerDone], None] | None = None, resume=None) -> PipelineStats:
     """Stream the model through the recipe into every sink (writer): dense tensors, then layer by layer.
 
-    resume: a qtk.resume.ResumeState; completed layers are replayed from it and each new one saved to it."""
+    on_layer(done, total, LayerDone) after each layer. resume: a qtk.resume.ResumeState; completed layers
+    are replayed from it and each new one saved to it."""
     stats = PipelineStats()
     if calib_ids is not None:
         _map_large_allocations()
@@ -308,7 +350,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
                 s.add_layer(r)
             stats.record(r)
             if on_layer:
-                on_layer(i + 1, n)
+                on_layer(i + 1, n, LayerDone.of(r, replayed=True))
         if batches is not None and start < n:
             batches = [(h, kw) for h, (_, kw) in zip(resume.load_hidden(), batches)]
     t_layers = time.perf_counter()
@@ -325,8 +367,9 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
         _release_freed_memory()
         if resume is not None:
             resume.save_layer(result, None if batches is None else [h for h, _ in batches])
+        done = LayerDone.of(result)
         del result
         if on_layer:
-            on_layer(i + 1, n)
+            on_layer(i + 1, n, done)
     stats.timings["layers"] = time.perf_counter() - t_layers
     return stats

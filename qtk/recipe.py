@@ -1,6 +1,6 @@
 """Recipes: what to quantize and how, as frozen dataclasses parsed and validated once at the edge.
 
-A recipe is a YAML file (``recipes/NAME.yaml`` for built-ins, or any path). Every error names the
+A recipe is a YAML file (``qtk/data/recipes/NAME.yaml`` for built-ins, or any path). Every error names the
 key and the fix; nothing downstream re-validates.
 """
 
@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 from qtk.errors import UsageError
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# package data (qtk/data/recipes), so a wheel install has them too
+RECIPES_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 
 STRATEGIES = ("tensor", "channel", "group", "token")
 TYPES = ("int", "float")

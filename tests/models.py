@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import string
 from pathlib import Path
 
@@ -51,6 +52,14 @@ def make_tiny_model(path: Path, *, model_type: str = "llama", layers: int = 2, h
     if tokenizer:
         save_char_tokenizer(path)
     return path
+
+
+PROGRESS_LINE = re.compile(r"\[qtk (convert|eval) \d+(:\d\d){1,2}\] ")
+
+
+def message_lines(output: str) -> list[str]:
+    """What a command said, less its progress lines (one per stage and layer when stderr is not a terminal)."""
+    return [line for line in output.strip().splitlines() if line.strip() and not PROGRESS_LINE.match(line)]
 
 
 def write_calib(path: Path, n: int = 40, seed: int = 0) -> Path:

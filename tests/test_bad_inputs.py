@@ -23,6 +23,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from models import message_lines
 from qtk.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +67,8 @@ CATALOGUE = {
     "parquet-not-text": "parquet text column holds numbers",
     "parquet-corrupt": "parquet file that is not parquet",
     "calib-empty-dir": "calibration directory with no data files",
+    "calib-split-missing": "--split that the calibration dataset does not have",
+    "calib-chat-no-template": "chat turns (--text-field messages) for a model without a chat template",
     # options
     "seq-len-too-long": "--seq-len above max_position_embeddings",
     "num-samples-zero": "--num-samples 0",
@@ -81,6 +84,9 @@ CATALOGUE = {
     "recipe-is-dir": "recipe path is a directory",
     "recipe-duplicate-key": "recipe with a key given twice",
     "recipe-fp8-asym": "fp8 recipe with asymmetric weights",
+    "recipe-ignore-no-match": "recipe ignore pattern that names no Linear of the model",
+    "recipe-ignore-empty": "recipe with 'ignore: []' (lm_head stays 16-bit in every output)",
+    "recipe-ignore-splits-group": "recipe ignore that splits a fused group (q/k/v)",
     # the output
     "output-is-file": "-o names an existing file",
     "output-under-file": "-o below an existing file",
@@ -103,7 +109,7 @@ def leftovers(out: Path) -> list[str]:
 
 def expect(case: str, code: int, output: str, tmp: Path, *needles: str, exit_code: int = 2, prefix: str = "error: ") -> None:
     assert case in CATALOGUE, case
-    lines = [line for line in output.strip().splitlines() if line.strip()]
+    lines = message_lines(output)  # progress lines may precede the error in logs
     assert code == exit_code, output
     assert len(lines) == 1 and lines[0].startswith(prefix), output
     msg = lines[0].replace(str(tmp.resolve()), "<tmp>").replace(str(tmp), "<tmp>")
@@ -319,6 +325,19 @@ def test_calibration_directory_without_data(tmp_path, tiny_llama):
     expect("calib-empty-dir", code, out, tmp_path, "calibration dataset", "not found", "local file")
 
 
+def test_calibration_split_and_chat(tmp_path, tiny_llama):
+    d = tmp_path / "files"
+    d.mkdir()
+    (d / "train.jsonl").write_text(json.dumps({"text": "hello world " * 40}) + "\n")
+    code, out = convert(tmp_path, tiny_llama, "--calib", d, "--split", "test", recipe="int8-kv8")
+    expect("calib-split-missing", code, out, tmp_path, "has no split 'test' (it has: train)", "--split")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    code, out = convert(tmp_path, tiny_llama, "--calib", chat, "--text-field", "messages", recipe="int8-kv8")
+    expect("calib-chat-no-template", code, out, tmp_path, "holds chat turns, but the model's tokenizer has no chat template",
+           "--text-field")
+
+
 # ---- options ----
 
 
@@ -354,6 +373,21 @@ def test_recipe_file(tmp_path, tiny_llama, case, content, needles):
     else:
         p.write_bytes(content)
     code, out = convert(tmp_path, tiny_llama, recipe=p)
+    expect(case, code, out, tmp_path, *needles)
+
+
+@pytest.mark.parametrize("case,ignore,needles", [
+    ("recipe-ignore-no-match", "[lm_head, mlp.down_prj]",
+     ("ignore pattern 'mlp.down_prj' matches no Linear of this llama model", "model.layers.0.self_attn.q_proj")),
+    ("recipe-ignore-empty", "[]", ("ignore does not list lm_head", "keeps lm_head in 16 bits", "'ignore: [lm_head]'")),
+    ("recipe-ignore-splits-group", "[lm_head, 're:.*layers\\.1\\.self_attn\\.k_proj']",
+     ("ignore splits the fused group self_attn.q_proj, self_attn.k_proj, self_attn.v_proj in layer 1", "together")),
+])
+def test_recipe_ignore(tmp_path, tiny_llama, case, ignore, needles):
+    """Refused before any work: the calibration file named here does not even exist."""
+    p = tmp_path / "r.yaml"
+    p.write_text(f"name: r\nweights: {{num_bits: 8}}\nactivations: {{num_bits: 8, strategy: tensor}}\nignore: {ignore}\n")
+    code, out = convert(tmp_path, tiny_llama, "--calib", tmp_path / "missing.jsonl", recipe=p)
     expect(case, code, out, tmp_path, *needles)
 
 

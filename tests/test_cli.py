@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from models import make_tiny_model
+from models import make_tiny_model, message_lines
 from qtk.cli import main
 
 
@@ -27,7 +27,7 @@ def _no_output_left(out):
 
 
 def _assert_usage_error(code, output, *needles):
-    lines = [line for line in output.strip().splitlines() if line.strip()]
+    lines = message_lines(output)  # progress lines may precede the error in logs
     assert code == 2, output
     assert len(lines) == 1 and lines[0].startswith("error: "), output
     for n in needles:
@@ -143,6 +143,29 @@ def test_recipes_list_and_show():
     assert code == 0 and "kv_cache" in out and "name: fp8-kv8" in out
 
 
+def test_target_help_lists_every_target():
+    from qtk.export import TARGETS, available_targets
+
+    assert sorted(TARGETS) == available_targets()
+    code, out = run("convert", "--help")
+    assert code == 0
+    assert f"repeatforseveral:{','.join(TARGETS)}." in "".join(out.split())  # click wraps lines at hyphens too
+
+
+def test_calibration_defaults_are_the_recipes():
+    """--help must not name one recipe's value (w4a16-gptq calibrates on 128 windows, int8-kv8 on 64);
+    `qtk recipes show` prints what a recipe uses, defaults included."""
+    code, out = run("convert", "--help")
+    text = "".join(out.split())
+    assert "[recipe:" not in text and text.count("[default:therecipe's,see`qtkrecipesshowNAME`]") == 4
+    code, out = run("recipes", "show", "w4a16-gptq")
+    assert code == 0 and "# calibration: 128 samples × 256 tokens from 'default' (field 'text', seed 0)" in out
+    code, out = run("recipes", "show", "int8-kv8")
+    assert "# calibration: 64 samples × 256 tokens" in out
+    code, out = run("recipes", "show", "w8a16")
+    assert "# calibration: none" in out
+
+
 def test_inspect_fails_on_uncalibrated_kv_scales(tmp_path, tiny_llama, calib_file):
     """A checkpoint whose KV scales are all 1.0 (the classic silent failure) is caught: exit 1."""
     code, out = run("convert", tiny_llama, "--recipe", "fp8-kv8", "-o", tmp_path / "o", "--calib", calib_file,
@@ -196,3 +219,122 @@ def test_console_script_end_to_end(tmp_path, tiny_llama):
     r = subprocess.run([exe, "convert", str(tiny_llama), "--recipe", "w8a16", "-o", str(tmp_path / "o")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- progress, warnings and what to do next ----
+
+
+def test_progress_in_logs_is_one_line_per_layer(tmp_path, tiny_llama, calib_file):
+    """stderr is not a terminal here: no bar, no redraws, no blank line; one line per layer with its largest
+    errors; stdout ends with the next steps."""
+    exe = os.path.join(os.path.dirname(sys.executable), "qtk")
+    r = subprocess.run([exe, "convert", str(tiny_llama), "--recipe", "w4a16-gptq", "-o", str(tmp_path / "o"), "--calib",
+                        str(calib_file), "--num-samples", "4", "--seq-len", "32", "--no-hash"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines and all(line.strip() for line in lines), r.stderr  # no stray blank line
+    assert "\r" not in r.stderr and "\x1b" not in r.stderr
+    layer_lines = [line for line in lines if " layer " in line]
+    assert len(layer_lines) == 2, r.stderr
+    import re
+
+    pat = (r"\[qtk convert \d+:\d\d\] layer {i}/2, {eta}max weight error [0-9.]+ \(model\.layers\.{j}\.[a-z_.]+\), "
+           r"max GPTQ loss [0-9.e+-]+ \(model\.layers\.{j}\.[a-z_.]+\)$")
+    assert re.match(pat.format(i=1, j=0, eta=r"ETA \d+:\d\d, "), layer_lines[0]), layer_lines[0]
+    assert re.match(pat.format(i=2, j=1, eta=""), layer_lines[1]), layer_lines[1]
+    out = r.stdout.splitlines()
+    d = tmp_path / "o" / "vllm"
+    assert out[-4:] == ["next:", f"  qtk inspect {d}",
+                        f"  qtk eval {d} --baseline {tiny_llama} --tasks TASKS.yaml",
+                        f"  serving commands and flags: {d / 'README.md'}"]
+    assert "vllm serve" in (d / "README.md").read_text()
+
+
+def test_reporter_eta_counts_only_computed_steps(monkeypatch):
+    import io
+
+    from qtk import progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    buf = io.StringIO()
+    with progress.Reporter("qtk convert", stream=buf, unit="layer") as rep:
+        assert not rep.interactive
+        rep.stage("quantizing layers")
+        for i in range(1, 4):  # three layers restored from resume state: instant, not in the ETA
+            rep.step(i, 10, replayed=True)
+        now[0] += 20
+        rep.step(4, 10, "max weight error 0.0100 (a)")
+        now[0] += 40
+        rep.step(5, 10)
+    lines = buf.getvalue().splitlines()
+    assert lines[1] == "[qtk convert 0:00] layer 1/10, restored"
+    assert lines[4] == "[qtk convert 0:20] layer 4/10, ETA 2:00, max weight error 0.0100 (a)"  # 20 s a layer, 6 left
+    assert lines[5] == "[qtk convert 1:00] layer 5/10, ETA 2:30"  # 30 s a layer, 5 left
+
+
+def test_reporter_in_a_terminal_draws_a_bar_with_eta(monkeypatch):
+    import io
+
+    from qtk import progress
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    buf = io.StringIO()
+    with progress.Reporter("qtk convert", stream=buf, interactive=True, unit="layer") as rep:
+        rep.stage("quantizing layers")
+        now[0] += 30
+        rep.step(1, 4, "max weight error 0.0100")
+        rep._progress.refresh()
+        import logging
+
+        logging.getLogger("qtk.calib").warning("something to know")
+    text = buf.getvalue()
+    assert "layer" in text and "1/4" in text and "ETA 1:30" in text and "max weight error 0.0100" in text
+    assert "warning: something to know" in text
+
+
+def test_calibration_options_on_a_recipe_without_calibration_warn(tmp_path, tiny_llama, calib_file):
+    r = CliRunner().invoke(main, ["convert", str(tiny_llama), "--recipe", "w8a16", "-o", str(tmp_path / "o"), "--calib",
+                                  str(calib_file), "--num-samples", "8", "--no-hash"])
+    assert r.exit_code == 0, r.output
+    assert ("warning: recipe w8a16 uses no calibration data (no step looks at activations): --calib, --num-samples "
+            "are ignored") in r.stderr.splitlines()
+    assert json.loads((tmp_path / "o" / "vllm" / "qtk.json").read_text())["calibration"] == {"used": False}
+    r = CliRunner().invoke(main, ["convert", str(tiny_llama), "--recipe", "w8a16", "-o", str(tmp_path / "p"), "--no-hash"])
+    assert r.exit_code == 0 and "warning" not in r.stderr
+
+
+def test_chat_messages_calibrate_through_the_chat_template(tmp_path, tiny_llama):
+    from models import write_jsonl
+
+    chats = [[{"role": "user", "content": f"sort {i} 3 1"}, {"role": "assistant", "content": f"1 3 {i} " * 10}] for i in range(20)]
+    p = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
+    args = ["--calib", p, "--text-field", "messages", "--num-samples", "4", "--seq-len", "32", "--no-hash"]
+    code, out = run("convert", tiny_llama, "--recipe", "int8-kv8", "-o", tmp_path / "o", *args)
+    _assert_usage_error(code, out, "holds chat turns, but the model's tokenizer has no chat template", "--text-field")
+    model = tmp_path / "chat-model"
+    shutil.copytree(tiny_llama, model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}")
+    code, out = run("convert", model, "--recipe", "int8-kv8", "-o", tmp_path / "o", *args)
+    assert code == 0, out
+    calib = json.loads((tmp_path / "o" / "vllm" / "qtk.json").read_text())["calibration"]
+    assert calib["text_field"] == "messages" and calib["chat_template"]["applied"] is True
+    assert calib["chat_template"]["conversations"] == 20 and "chat template" in calib["chat_template"]["note"]
+
+
+def test_split_option(tmp_path, tiny_llama):
+    import datasets
+
+    texts = {s: [f"{s} text {i} " + "alpha beta gamma " * 20 for i in range(20)] for s in ("train", "test")}
+    datasets.DatasetDict({s: datasets.Dataset.from_dict({"text": v}) for s, v in texts.items()}).save_to_disk(str(tmp_path / "ds"))
+    base = ["--calib", tmp_path / "ds", "--num-samples", "4", "--seq-len", "32", "--no-hash"]
+    code, out = run("convert", tiny_llama, "--recipe", "int8-kv8", "-o", tmp_path / "a", *base, "--split", "test")
+    assert code == 0, out
+    calib = json.loads((tmp_path / "a" / "vllm" / "qtk.json").read_text())["calibration"]
+    code, out = run("convert", tiny_llama, "--recipe", "int8-kv8", "-o", tmp_path / "b", *base)
+    assert code == 0, out
+    default = json.loads((tmp_path / "b" / "vllm" / "qtk.json").read_text())["calibration"]
+    assert calib["split"] == "test" and default["split"] is None and calib["token_hash"] != default["token_hash"]
+    code, out = run("convert", tiny_llama, "--recipe", "int8-kv8", "-o", tmp_path / "c", *base, "--split", "dev")
+    _assert_usage_error(code, out, "has no split 'dev' (it has: train, test)", "--split")

@@ -344,7 +344,7 @@ def gptq_quantize_shared(Ws: list[torch.Tensor], H: torch.Tensor, scheme: QuantS
     Hinv), and the act-order permutation, dead columns and damping depend on H alone, so this equals one
     gptq_quantize per weight, with the column loop and the Cholesky factorisations run once instead of len(Ws)
     times. One difference, on purpose: a per-tensor scale is taken over the whole group, as engines fusing the
-    group need one scale (DESIGN.md §4). Returns (QTensor, info) per weight, info as gptq_quantize's, with loss
+    group need one scale (docs/architecture.md). Returns (QTensor, info) per weight, info as gptq_quantize's, with loss
     and dequantized per weight.
     """
     name = ", ".join(names) if names else ""

@@ -175,11 +175,12 @@ def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: st
              dtype: str = "float32", bootstrap: int = 2000, tasks: list[str] | None = None,
              json_path: str | Path | None = None, junit: str | Path | None = None, markdown: str | Path | None = None,
              plot: str | Path | None = None, progress: Callable[[str], None] | None = None,
-             threads: int | None = None) -> GateResult:
+             threads: int | None = None, on_task: Callable[[int, int, str], None] | None = None) -> GateResult:
     """Evaluate the written checkpoint `candidate_dir` against the original model `baseline_dir` on the tasks of
     `tasks_file` and judge it. Returns the GateResult (its .passed / .exit_code is the verdict) after writing the
     requested reports; raises UsageError for bad input. `threads` sets torch's CPU threads for the run (on a
-    shared or small machine, 1 is often fastest for small models)."""
+    shared or small machine, 1 is often fastest for small models). progress(text) names each stage;
+    on_task(done, total, what) follows each task run (a cached baseline is not run)."""
     opts = dict(locals())
     with _torch_threads(opts.pop("threads")):
         return _run_gate(**opts)
@@ -203,7 +204,7 @@ def _torch_threads(n: int | None):
 
 
 def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, strict, strict_heldout, cache_dir, use_cache,
-              batch_size, device, dtype, bootstrap, tasks, json_path, junit, markdown, plot, progress) -> GateResult:
+              batch_size, device, dtype, bootstrap, tasks, json_path, junit, markdown, plot, progress, on_task) -> GateResult:
     from qtk.eval import contamination as contam
     from qtk.eval.cache import BaselineCache, default_cache_dir, entry_key, file_digests, model_hash
     from qtk.eval.engines import ENGINES
@@ -279,6 +280,13 @@ def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, s
     cache = BaselineCache(root)
     kw = dict(device=device, batch_size=batch_size, dtype=dtype)
 
+    runs = {"done": 0, "total": 2 * len(prepared)}  # baseline and candidate of every task, less cached baselines
+
+    def ran(what: str, seconds: float) -> None:
+        runs["done"] += 1
+        if on_task:
+            on_task(runs["done"], runs["total"], f"{what} ({seconds:.1f}s)")
+
     say("baseline")
     t0 = time.perf_counter()
     base_runs, cached = {}, set()
@@ -290,12 +298,14 @@ def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, s
             if hit is not None:
                 base_runs[p.spec.name] = TaskRun.from_cache(*hit)
                 cached.add(p.spec.name)
+                runs["total"] -= 1
                 continue
             if base_engine is None:
                 base_engine = _make_engine(engine, base, None, kw)
             say(f"baseline: {p.spec.name}")
             run = evaluate_task(base_engine, p, r, topk=topk if p.spec.type == "perplexity" else 0)
             base_runs[p.spec.name] = run
+            ran(f"baseline {p.spec.name}", run.seconds)
             if use_cache:
                 cache.store(key, *run.to_cache())
     finally:
@@ -312,6 +322,7 @@ def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, s
             say(f"candidate: {p.spec.name}")
             ref = base_runs[p.spec.name].rows if p.spec.type == "perplexity" else None
             cand_runs[p.spec.name] = evaluate_task(cand_engine, p, r, reference=ref)
+            ran(f"candidate {p.spec.name}", cand_runs[p.spec.name].seconds)
     finally:
         cand_engine.close()
     timings["candidate"] = time.perf_counter() - t0

@@ -47,17 +47,27 @@ def _eval(checkpoint, baseline, tasks_file, junit, json_path, markdown, plot, en
     \b
       qtk eval out/vllm --baseline model/ --tasks tasks.yaml --junit gate.xml --json gate.json
     """
-    from qtk.eval.api import run_gate
-
-    def progress(msg):
-        click.echo(f"[qtk eval] {msg}", err=True)
-
-    result = run_gate(checkpoint, baseline, tasks_file, engine=engine, limit=limit, seed=seed, strict=strict,
-                      strict_heldout=strict_heldout, cache_dir=cache_dir, use_cache=not no_cache, batch_size=batch_size,
-                      device=device, dtype=dtype, bootstrap=bootstrap, tasks=list(task_names) or None, json_path=json_path,
-                      junit=junit, markdown=markdown, plot=plot, progress=progress, threads=threads)
+    result = gate_with_progress(checkpoint, baseline, tasks_file, engine=engine, limit=limit, seed=seed, strict=strict,
+                                strict_heldout=strict_heldout, cache_dir=cache_dir, use_cache=not no_cache,
+                                batch_size=batch_size, device=device, dtype=dtype, bootstrap=bootstrap,
+                                tasks=list(task_names) or None, json_path=json_path, junit=junit, markdown=markdown,
+                                plot=plot, threads=threads)
     click.echo(_summary(result))
     result.raise_for_verdict()
+
+
+def gate_with_progress(checkpoint, baseline, tasks_file, **kw):
+    """run_gate with qtk's progress on stderr, as `qtk convert` shows it: a bar with ETA in a terminal, one line
+    per stage and per task run in logs."""
+    from transformers.utils import logging as hf_logging
+
+    from qtk.eval.api import run_gate
+    from qtk.progress import Reporter
+
+    hf_logging.disable_progress_bar()  # transformers' per-load bars would interleave with ours
+    with Reporter("qtk eval", unit="task") as rep:
+        return run_gate(checkpoint, baseline, tasks_file, progress=rep.stage,
+                        on_task=lambda done, total, what: rep.step(done, total, what, label="task run"), **kw)
 
 
 _options = [

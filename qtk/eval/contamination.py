@@ -6,11 +6,12 @@ Texts are normalised to lower-case word tokens (punctuation and spacing ignored)
   - it has N tokens or more and at least `threshold` of its N-grams are among the calibration texts' N-grams
     (hashed), which catches copies with a changed prefix or suffix without flagging shared phrases.
 The calibration texts are read as the conversion read them: the manifest's calibration.dataset, through
-qtk.calib.load_texts ('default' is calib_data/default.jsonl).
+qtk.calib.load_texts ('default' is qtk/data/calib/default.jsonl).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -91,7 +92,7 @@ def check(manifest: dict | None, prepared: list, *, n: int = NGRAM, threshold: f
           text_field: str = "text", cache_dir: Path | None = None) -> ContaminationResult:
     """Compare the checkpoint's calibration texts with every evaluated example (few-shot prefixes excluded).
     With cache_dir, the result for a local calibration file is kept under cache_dir/contamination/."""
-    from qtk.calib import load_texts
+    from qtk.calib import load_texts, turns_text
 
     calib = (manifest or {}).get("calibration") or {}
     if manifest is None:
@@ -107,7 +108,9 @@ def check(manifest: dict | None, prepared: list, *, n: int = NGRAM, threshold: f
             return ContaminationResult(**json.loads(entry.read_text()))
         except (OSError, ValueError, TypeError):
             pass
-    result = _check(spec, field_, prepared, n, threshold, load_texts)
+    # the split it was converted from; a conversation's words without the model's chat template
+    read = functools.partial(load_texts, split=calib.get("split"), chat=turns_text)
+    result = _check(spec, field_, prepared, n, threshold, read)
     if entry is not None and result.status in ("clean", "overlap"):
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)

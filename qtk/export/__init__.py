@@ -17,6 +17,8 @@ WRITERS: dict[str, type] = {}
 READERS: dict[str, type] = {}
 # modules that register writers/readers; imported lazily so `import qtk` stays light
 _MODULES = ("qtk.export.vllm", "qtk.export.gptq", "qtk.export.awq", "qtk.export.trtllm", "qtk.export.modelopt")
+# the registered targets, for --help without importing the writers (a test keeps it equal to WRITERS)
+TARGETS = ("vllm", "trtllm", "hf-modelopt", "gptq", "awq")
 
 
 def register_writer(cls):

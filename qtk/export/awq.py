@@ -1,4 +1,4 @@
-"""awq target: the legacy AWQ GEMM checkpoint (FORMATS.md §5) that vLLM (awq, awq_marlin), GPTQModel and
+"""awq target: the legacy AWQ GEMM checkpoint (docs/formats.md, awq) that vLLM (awq, awq_marlin), GPTQModel and
 transformers load, and its reader.
 
 Per quantized Linear X: X.qweight int32 [in, out/8] and X.qzeros int32 [in/group, out/8], both packed along

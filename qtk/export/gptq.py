@@ -1,4 +1,4 @@
-"""gptq target: the legacy GPTQ checkpoint (FORMATS.md §4) that vLLM (gptq, gptq_marlin), GPTQModel and
+"""gptq target: the legacy GPTQ checkpoint (docs/formats.md, gptq) that vLLM (gptq, gptq_marlin), GPTQModel and
 transformers load, and its reader.
 
 Per quantized Linear X: X.qweight int32 [in·bits/32, out], X.qzeros int32 [groups, out·bits/32],

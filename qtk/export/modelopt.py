@@ -1,4 +1,4 @@
-"""hf-modelopt target: NVIDIA ModelOpt's unified Hugging Face checkpoint (FORMATS.md §3), and its reader.
+"""hf-modelopt target: NVIDIA ModelOpt's unified Hugging Face checkpoint (docs/formats.md, hf-modelopt), and its reader.
 
 Hugging Face tensor names plus hf_quant_config.json and a config.json quantization_config with
 quant_method "modelopt", laid out as ModelOpt's export_hf_checkpoint writes them. TensorRT-LLM's LLM API

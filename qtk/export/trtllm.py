@@ -1,4 +1,4 @@
-"""TensorRT-LLM target: a `trtllm-build` checkpoint (config.json + rank{N}.safetensors, FORMATS.md §2), and its reader.
+"""TensorRT-LLM target: a `trtllm-build` checkpoint (config.json + rank{N}.safetensors, docs/formats.md), and its reader.
 
 Each LayerResult is mapped to TensorRT-LLM names (q/k/v fused into attention.qkv, gate_proj -> mlp.fc,
 up_proj -> mlp.gate), split for tensor parallelism and streamed into every rank file at once, so memory
@@ -490,7 +490,7 @@ def _rope(cfg) -> tuple[float, dict | None]:
 
 
 def trtllm_config(source, geo: Geometry, quant: TRTQuant, exclude: list[str], tp: int, pp: int, tied: bool) -> dict:
-    """config.json of the checkpoint: TensorRT-LLM's PretrainedConfig fields (FORMATS.md §2)."""
+    """config.json of the checkpoint: TensorRT-LLM's PretrainedConfig fields (docs/formats.md, trtllm)."""
     from qtk import __version__
 
     cfg, mt = source.config, source.config_dict.get("model_type")

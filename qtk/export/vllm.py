@@ -1,4 +1,4 @@
-"""vLLM target: a compressed-tensors checkpoint (FORMATS.md §1), and its reader.
+"""vLLM target: a compressed-tensors checkpoint (docs/formats.md, vllm), and its reader.
 
 int-quantized (W8A8 int8), float-quantized (FP8) or pack-quantized (weight-only int4/int8). The KV
 cache is FP8 with k_scale = amax(K after RoPE)/448 and v_scale = amax(V)/448: vLLM has no INT8 KV cache

@@ -1,7 +1,7 @@
 """Memory from config.json alone: the checkpoint's tensors and bytes for a recipe, the KV cache, the
 serving budget on a GPU, and what `qtk convert` itself needs. Light on purpose: no torch import.
 
-Sizes are exact byte counts of the compressed-tensors layout qtk writes (FORMATS.md §1), derived
+Sizes are exact byte counts of the compressed-tensors layout qtk writes (docs/formats.md, vllm), derived
 from the Linear shapes the config implies; tests check them against meta-device models.
 """
 
@@ -388,7 +388,7 @@ def checkpoint_format(recipe) -> str | None:
 
 
 def _quantized_linear(spec: TensorSpec, recipe, dtype: str) -> list[DiskTensor]:
-    """The tensors one quantized Linear becomes on disk (FORMATS.md §1)."""
+    """The tensors one quantized Linear becomes on disk (docs/formats.md, vllm)."""
     out, inn = spec.shape
     w = recipe.weights
     n, c = spec.name, spec.count
@@ -625,7 +625,7 @@ class ConversionMemory:
 
 def conversion_memory(s: ModelShape, recipe=None, *, num_samples: int | None = None,
                       seq_len: int | None = None) -> ConversionMemory:
-    """What converting this model with `recipe` holds at once (DESIGN.md §1: O(one layer))."""
+    """What converting this model with `recipe` holds at once (docs/architecture.md: O(one layer))."""
     specs = model_tensors(s)
     per_layer: dict[int, int] = {}
     for x in specs:

@@ -16,7 +16,7 @@ from qtk.plan.memory import MemoryPlan, ModelShape
 
 def kv_cache_dtype_flag(recipe) -> str:
     """vLLM's --kv-cache-dtype: an 8-bit KV recipe is served as FP8 with the checkpoint's k/v scales
-    (vLLM has no INT8 KV cache with checkpoint scales, FORMATS.md §1)."""
+    (vLLM has no INT8 KV cache with checkpoint scales, docs/formats.md, vllm)."""
     return "fp8" if recipe is not None and recipe.kv_cache is not None else "auto"
 
 

@@ -1,7 +1,7 @@
 """Bit packing of integer values into int32 words, in the orders each format expects.
 
 All packers take unpacked signed values (QTensor convention) and never modify their input.
-compressed-tensors pack-quantized (FORMATS.md §1): store q + 2^(bits-1), along the input dim,
+compressed-tensors pack-quantized (docs/formats.md, vllm): store q + 2^(bits-1), along the input dim,
 element i of a word at bits*(i % per_word), least significant first; int4 [0..7] -> 0xFEDCBA98.
 """
 
@@ -75,7 +75,7 @@ def unpack_ct_zero_point(packed: torch.Tensor, bits: int, out_features: int) -> 
     return (unpack_words(packed.t(), bits, out_features) - offset(bits)).t().contiguous()
 
 
-# ---- legacy GPTQ (FORMATS.md §4) and AWQ GEMM (§5) ----
+# ---- legacy GPTQ and AWQ GEMM (docs/formats.md, gptq and awq) ----
 
 def _whole_words(n: int, bits: int, what: str) -> None:
     per = _per_word(bits)

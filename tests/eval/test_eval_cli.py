@@ -24,6 +24,13 @@ def test_exit_codes_and_reports(ckpts, tiny_llama, task_dir, tmp_path):
     assert bad.exit_code == 1, bad.output
     assert "accuracy gate failed" in bad.output and "(baseline cached)" in bad.output
     assert "FAILED" in (tmp_path / "bad.md").read_text()
+    # progress as `qtk convert` logs it: one line per task run with an ETA; a cached baseline is not run
+    runs = [line for line in ok.stderr.splitlines() if "] task run " in line]
+    assert [line.split("] ")[1].split(",")[0] for line in runs] == [f"task run {i}/6" for i in range(1, 7)], ok.stderr
+    assert runs[0].startswith("[qtk eval ") and ", ETA " in runs[0] and "baseline add (" in runs[0]
+    assert [line.split("] ")[1].split(",")[0] for line in bad.stderr.splitlines() if "] task run " in line] == \
+        [f"task run {i}/3" for i in range(1, 4)]
+    assert all(line.strip() for line in ok.stderr.splitlines()) and "Loading weights" not in ok.stderr
 
 
 def test_usage_errors_exit_2(ckpts, tiny_llama, task_dir, tmp_path):

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 MODEL_DIR = EXAMPLES / "tiny-llama"
 TASKS_DIR = EXAMPLES / "tasks"
-CALIB_FILE = ROOT / "calib_data" / "default.jsonl"
+CALIB_FILE = ROOT / "qtk" / "data" / "calib" / "default.jsonl"
 
 # examples/ is a folder of scripts, not a package: make corpus.py etc. importable.
 if str(EXAMPLES) not in sys.path:

@@ -1,4 +1,4 @@
-"""Shipped data: held-out tasks (examples/tasks) and calibration text (calib_data/default.jsonl).
+"""Shipped data: held-out tasks (examples/tasks) and calibration text (qtk/data/calib/default.jsonl).
 
 The evaluation sets must be disjoint from what the example model was trained on and from the
 calibration set, and their references must be right; the calibration set must be exactly what

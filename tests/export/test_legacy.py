@@ -1,4 +1,4 @@
-"""Legacy GPTQ and AWQ GEMM targets (FORMATS.md §4–5): written in the same convert call as the vLLM checkpoint,
+"""Legacy GPTQ and AWQ GEMM targets (docs/formats.md, gptq and awq): written in the same convert call as the vLLM checkpoint,
 then decoded by a dequantizer written here from the format description alone (bit shifts, v1's −1, AWQ's
 interleave, g_idx) and compared with the vLLM checkpoint read through qtk's reader; qtk's own readers round
 trip; transformers parses the configs; refusals are one line; a zero point v1 cannot hold switches the
@@ -23,7 +23,7 @@ weights: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size:
 algorithm: [rtn]
 ignore: [lm_head, 're:model\\.layers\\.1\\.mlp\\.down_proj']
 """
-AWQ_ORDER_SPEC = [0, 2, 4, 6, 1, 3, 5, 7]  # FORMATS.md §5: slot k of a word holds output column ORDER[k] of its 8
+AWQ_ORDER_SPEC = [0, 2, 4, 6, 1, 3, 5, 7]  # docs/formats.md, awq: slot k of a word holds output column ORDER[k] of its 8
 
 
 def cli(*args):

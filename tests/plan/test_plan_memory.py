@@ -200,14 +200,14 @@ def test_checkpoint_layout_matches_compressed_tensors(name, recipe):
     r = load_recipe(recipe)
     ct = _ct_meta_state(name, r)
     mine = {t.name: (t.shape, t.dtype) for t in checkpoint_tensors(shape(name), r)}
-    # compressed-tensors 0.20 under transformers 5 skips creating KV scales (FORMATS.md §1): qtk writes them
+    # compressed-tensors 0.20 under transformers 5 skips creating KV scales (docs/formats.md): qtk writes them
     kv = {k for k in mine if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))}
     assert len(kv) == (2 * shape(name).layers if r.kv_cache else 0)
     assert all(mine[k] == ((1,), "float32") for k in kv)
     assert {k: v[0] for k, v in mine.items() if k not in kv} == {k: v[0] for k, v in ct.items()}
     for k, (_, dt) in ct.items():
         if k.endswith("input_scale") or (k.endswith("weight_scale") and r.weights.type == "float"):
-            # qtk writes fp8 weight scales and activation scales in float32 (FORMATS.md §1);
+            # qtk writes fp8 weight scales and activation scales in float32 (docs/formats.md, vllm);
             # compressed-tensors initialises them in the model dtype
             assert mine[k][1] == "float32", k
         else:

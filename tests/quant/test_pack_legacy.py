@@ -1,4 +1,4 @@
-"""Legacy GPTQ and AWQ GEMM packing (FORMATS.md §4–5): known words, exact round trips for odd-but-valid
+"""Legacy GPTQ and AWQ GEMM packing (docs/formats.md, gptq and awq): known words, exact round trips for odd-but-valid
 shapes, agreement with a bit-by-bit reference, and a GPTQ act-order layer read back the way loaders do."""
 
 import pytest

@@ -39,7 +39,7 @@ def write_all(model_dir, recipe, calib_file, root, layouts=LAYOUTS):
 
 
 def axis_of(module: str, key: str, t: torch.Tensor):
-    """Split axis of a stored tensor under tensor parallelism (None: replicated), per FORMATS.md §2."""
+    """Split axis of a stored tensor under tensor parallelism (None: replicated), per docs/formats.md (trtllm)."""
     if module in COLUMN:
         return {"weight": 0, "bias": 0, "prequant_scaling_factor": None, "activation_scaling_factor": None,
                 "weights_scaling_factor": None if t.numel() == 1 else 0, "per_channel_scale": t.dim() - 1}[key]
