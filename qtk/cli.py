@@ -164,7 +164,8 @@ def convert(model, recipe, out, targets, calib, text_field, num_samples, seq_len
             click.echo(f"gating {t} with {gate}", err=True)
             base = Path(out) / f"gate-{t}"
             result = run_gate(path, model, gate, json_path=f"{base}.json", junit=f"{base}.xml", markdown=f"{base}.md",
-                              threads=threads, progress=lambda m: click.echo(f"[qtk eval] {m}", err=True))
+                              threads=threads, progress=lambda m: click.echo(f"[qtk eval] {m}", err=True),
+                              trust_remote_code=trust_remote_code)
             click.echo(_summary(result))
             if not result.passed:
                 failed.append(t)
