@@ -110,7 +110,7 @@ def convert(
     from qtk import __version__
     from qtk.calib import ChatTemplate, calibration_ids, ids_hash, load_texts
     from qtk.checks import PostChecks
-    from qtk.export import ExportOptions, writer_for
+    from qtk.export import ExportOptions, check_targets, writer_for
     from qtk.model.source import ModelSource
     from qtk.pipeline import check_ignore, run
 
@@ -139,8 +139,7 @@ def convert(
         if final.exists() and not overwrite:
             raise UsageError(f"output {final} already exists", "pass --overwrite to replace it, or choose another -o")
     check_ignore(source, r)
-    for t, cls in writer_classes.items():
-        cls.check(source, r, options)  # refuse unsupported combinations before any work
+    check_targets(source, r, options, writer_classes)  # refuse unsupported combinations before any work
 
     calib_info: dict = {"used": False}
     ids = None
@@ -397,7 +396,7 @@ def _expected_quantized(ck) -> list[str]:
     return [n for n in names if not matches(n, ignore)]
 
 
-def plan(model: str | Path, recipe: str | Path | Recipe | None = None, *, gpu: str = "h100-80g", context: int = 4096,
+def plan(model: str | Path, recipe: str | Path | Recipe | None = None, *, gpu: str = "h100-sxm", context: int = 4096,
          concurrency: int = 8, tp: int = 1, recommend: bool = False, workload: str = "general"):
     """Memory, throughput, cost and serving flags for `model` (a directory or its config.json) from the config alone.
 
@@ -414,7 +413,7 @@ def plan(model: str | Path, recipe: str | Path | Recipe | None = None, *, gpu: s
     if recommend:
         decision = pick(shape, dep, workload=workload)
         if decision.chosen is None:
-            raise CheckFailed(f"nothing fits: {decision.reason}", "use more GPUs (tp), a shorter context or fewer requests")
+            raise CheckFailed(decision.reason, "use more GPUs (tp), a shorter context or fewer requests")
         recipe = decision.recipe
     r = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
     return make_plan(shape, r, dep, decision=decision, recipe_name=decision.chosen if decision else None)

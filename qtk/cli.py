@@ -153,7 +153,7 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
             click.echo(f"gating {t} with {gate}", err=True)
             base = Path(out) / f"gate-{t}"
             result = gate_with_progress(path, model, gate, json_path=f"{base}.json", junit=f"{base}.xml",
-                                        markdown=f"{base}.md", threads=threads)
+                                        markdown=f"{base}.md", threads=threads, trust_remote_code=trust_remote_code)
             click.echo(_summary(result))
             if not result.passed:
                 failed.append(t)

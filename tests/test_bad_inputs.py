@@ -93,6 +93,19 @@ CATALOGUE = {
     "output-not-writable": "-o in a directory without write permission",
     "disk-full": "disk full while writing (ENOSPC)",
     "interrupted": "Ctrl-C while quantizing layers",
+    # targets
+    "target-refuses-recipe": "--target hf-modelopt with an asymmetric int4 recipe (w4a16-awq)",
+    # qtk plan
+    "plan-weights-file": "qtk plan given a weights file instead of the model directory",
+    "plan-tp-heads": "qtk plan --tp 3 on 4 attention heads",
+    "plan-config-huge": "qtk plan of a config.json with 10**400 layers",
+    "plan-config-inconsistent": "qtk plan of a config.json whose KV heads do not divide its attention heads",
+    # qtk eval
+    "eval-min-recovery": "task file with min_recovery: 98 (a percentage, not a fraction)",
+    "eval-max-drop-perplexity": "task file with max_drop on a perplexity task",
+    "eval-output-root": "qtk eval given the convert output root (out/, not out/vllm)",
+    "eval-baseline-quantized": "qtk eval --baseline that is itself a quantized checkpoint",
+    "eval-remote-code": "qtk eval of a model whose config names custom code, without --trust-remote-code",
 }
 SEEN: dict[str, tuple[int, str]] = {}  # id -> (exit code, message with paths shortened)
 
@@ -479,6 +492,57 @@ def test_ctrl_c_mid_layer(tmp_path, tiny_llama):
         timer.cancel()
     expect("interrupted", proc.returncode, stderr, tmp_path, "no output was left behind", exit_code=130, prefix="interrupted: ")
     assert stdout == "" and leftovers(tmp_path / "out") == []
+
+
+# ---- targets, qtk plan and qtk eval ----
+
+
+def test_a_target_refusal_suggests_only_targets_that_accept_the_recipe(tmp_path, tiny_llama):
+    code, out = convert(tmp_path, tiny_llama, "--target", "hf-modelopt", recipe="w4a16-awq")
+    expect("target-refuses-recipe", code, out, tmp_path, "qtk writes hf-modelopt checkpoints for FP8",
+           "use --target vllm or --target awq or --target gptq")
+    assert "trtllm" not in out  # TensorRT-LLM refuses asymmetric int4 too
+
+
+def test_plan_bad_inputs(tmp_path, model):
+    code, out = cli("plan", model / "model.safetensors")
+    expect("plan-weights-file", code, out, tmp_path, "model.safetensors is a weights file, not a config.json",
+           "give the model directory")
+    code, out = cli("plan", model, "--tp", 3)
+    expect("plan-tp-heads", code, out, tmp_path, "--tp 3 does not divide the attention heads (4)", "use --tp 1 or 2 or 4")
+    edit_config(model, num_hidden_layers=10**400)
+    code, out = cli("plan", model)
+    expect("plan-config-huge", code, out, tmp_path, "num_hidden_layers is a 401-digit number", "far more than any real model")
+    edit_config(model, num_hidden_layers=2, num_key_value_heads=3)
+    code, out = cli("plan", model)
+    expect("plan-config-inconsistent", code, out, tmp_path, "num_key_value_heads 3 does not divide num_attention_heads 4")
+
+
+def _task_file(tmp: Path, gate: str) -> Path:
+    (tmp / "ppl.jsonl").write_text('{"text": "a few words of text"}\n')
+    (tmp / "tasks.yaml").write_text(f"tasks:\n  - {{name: prose, type: perplexity, data: ppl.jsonl, gate: {gate}}}\n")
+    return tmp / "tasks.yaml"
+
+
+def test_eval_bad_inputs(tmp_path, model):
+    from qtk import api
+
+    ckpt = api.convert(model, "w8a16", tmp_path / "out", hash_source=False).outputs["vllm"]
+    code, out = cli("eval", ckpt, "--baseline", model, "--tasks", _task_file(tmp_path, "{min_recovery: 98}"))
+    expect("eval-min-recovery", code, out, tmp_path, "min_recovery: must be a fraction in (0, 1], got 98", "min_recovery: 0.98")
+    code, out = cli("eval", ckpt, "--baseline", model, "--tasks", _task_file(tmp_path, "{max_drop: 1}"))
+    expect("eval-max-drop-perplexity", code, out, tmp_path, "perplexity tasks are limited by min_recovery", "min_recovery: 0.98")
+    tasks = _task_file(tmp_path, "{min_recovery: 0.98}")
+    code, out = cli("eval", tmp_path / "out", "--baseline", model, "--tasks", tasks)
+    expect("eval-output-root", code, out, tmp_path, "<tmp>/out is the output root of qtk convert (it holds vllm/)",
+           "e.g. qtk eval <tmp>/out/vllm")
+    code, out = cli("eval", ckpt, "--baseline", ckpt, "--tasks", tasks)
+    expect("eval-baseline-quantized", code, out, tmp_path, "is a quantized checkpoint", "original unquantized")
+    (model / "modeling_x.py").write_text("raise SystemExit('the model's code ran')\n")
+    edit_config(model, auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    code, out = cli("eval", ckpt, "--baseline", model, "--tasks", tasks)
+    expect("eval-remote-code", code, out, tmp_path, "the baseline <tmp>/model needs custom code", "(config.json has auto_map)",
+           "--trust-remote-code")
 
 
 # ---- docs/errors.md ----

@@ -133,12 +133,67 @@ class GateResult:
             raise CheckFailed(f"accuracy gate failed: {'; '.join(self.failures)}", "see the gate report for every task")
 
 
-def _check_baseline_dir(p: Path) -> None:
+# files a quantized checkpoint carries next to (or in) config.json: qtk's manifest, ModelOpt's and GPTQ/AWQ's configs
+QUANTIZED_MARKERS = ("qtk.json", "hf_quant_config.json", "quantize_config.json", "quant_config.json")
+
+
+def _read_config(p: Path, role: str) -> dict:
+    f = p / "config.json"
+    try:
+        cfg = json.loads(f.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise UsageError(f"the {role}'s {f} is not valid JSON ({type(e).__name__})", f"restore the {role}'s config.json") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"the {role}'s {f} is not a JSON object", f"restore the {role}'s config.json")
+    return cfg
+
+
+def _check_baseline_dir(p: Path) -> dict:
+    """The baseline's config.json, once it is known to be an unquantized Hugging Face model directory."""
     if not p.is_dir():
         raise UsageError(f"baseline directory {p} does not exist", "--baseline is the original Hugging Face model directory")
     if not (p / "config.json").is_file() or not any(p.glob("*.safetensors")):
         raise UsageError(f"{p} is not a Hugging Face model directory (needs config.json and *.safetensors)",
                          "--baseline is the original model directory the candidate was converted from")
+    cfg = _read_config(p, "baseline")
+    q = cfg.get("quantization_config")
+    marker = next((m for m in QUANTIZED_MARKERS if (p / m).is_file()), None)
+    if q is not None or marker:
+        what = (f"a {q.get('quant_method', 'quantized')} quantization_config" if isinstance(q, dict)
+                else "a quantization_config" if q is not None else marker)
+        raise UsageError(f"the baseline {p} is a quantized checkpoint (it has {what}): the gate would compare against "
+                         "a model that already lost accuracy", "--baseline is the original unquantized (bf16/fp16) model "
+                         "the candidate was converted from")
+    return cfg
+
+
+def _check_candidate_dir(p: Path) -> None:
+    """`qtk eval out/` names the convert output root, which holds one checkpoint per target: point at one."""
+    if not p.is_dir() or (p / "config.json").is_file():
+        return
+    targets = sorted((d.name for d in p.iterdir() if d.is_dir() and (d / "config.json").is_file()),
+                     key=lambda n: (n != "vllm", n))
+    if targets:
+        raise UsageError(f"{p} is the output root of qtk convert (it holds {', '.join(t + '/' for t in targets)}), "
+                         "not one checkpoint", f"give one of them, e.g. qtk eval {p / targets[0]}")
+
+
+def _check_remote_code(p: Path, role: str, trust_remote_code: bool) -> None:
+    """Never let transformers reach a model's own code unless asked: an auto_map in config.json or
+    tokenizer_config.json makes it import .py files from the directory (and ask on a terminal first)."""
+    if trust_remote_code:
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        f = p / name
+        if not f.is_file():
+            continue
+        try:
+            d = json.loads(f.read_bytes().decode("utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            continue  # not JSON: whoever reads it refuses it; it cannot name code to run either
+        if isinstance(d, dict) and d.get("auto_map"):
+            raise UsageError(f"the {role} {p} needs custom code from the model repository ({name} has auto_map)",
+                             "review that code, then pass --trust-remote-code")
 
 
 def _check_same_model(ckpt, base_cfg: dict, base: Path, cand: Path) -> None:
@@ -175,12 +230,14 @@ def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: st
              dtype: str = "float32", bootstrap: int = 2000, tasks: list[str] | None = None,
              json_path: str | Path | None = None, junit: str | Path | None = None, markdown: str | Path | None = None,
              plot: str | Path | None = None, progress: Callable[[str], None] | None = None,
-             threads: int | None = None, on_task: Callable[[int, int, str], None] | None = None) -> GateResult:
+             threads: int | None = None, on_task: Callable[[int, int, str], None] | None = None,
+             trust_remote_code: bool = False) -> GateResult:
     """Evaluate the written checkpoint `candidate_dir` against the original model `baseline_dir` on the tasks of
     `tasks_file` and judge it. Returns the GateResult (its .passed / .exit_code is the verdict) after writing the
     requested reports; raises UsageError for bad input. `threads` sets torch's CPU threads for the run (on a
     shared or small machine, 1 is often fastest for small models). progress(text) names each stage;
-    on_task(done, total, what) follows each task run (a cached baseline is not run)."""
+    on_task(done, total, what) follows each task run (a cached baseline is not run). A model whose config or
+    tokenizer names its own code (auto_map) is refused unless `trust_remote_code`."""
     opts = dict(locals())
     with _torch_threads(opts.pop("threads")):
         return _run_gate(**opts)
@@ -204,7 +261,8 @@ def _torch_threads(n: int | None):
 
 
 def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, strict, strict_heldout, cache_dir, use_cache,
-              batch_size, device, dtype, bootstrap, tasks, json_path, junit, markdown, plot, progress, on_task) -> GateResult:
+              batch_size, device, dtype, bootstrap, tasks, json_path, junit, markdown, plot, progress, on_task,
+              trust_remote_code) -> GateResult:
     from qtk.eval import contamination as contam
     from qtk.eval.cache import BaselineCache, default_cache_dir, entry_key, file_digests, model_hash
     from qtk.eval.engines import ENGINES
@@ -233,9 +291,11 @@ def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, s
     if tasks:
         tf = tf.select(tasks)
     cand, base = Path(candidate_dir), Path(baseline_dir)
-    _check_baseline_dir(base)
+    _check_candidate_dir(cand)
+    base_cfg = _check_baseline_dir(base)
+    _check_remote_code(base, "baseline", trust_remote_code)
+    _check_remote_code(cand, "candidate", trust_remote_code)
     ckpt = open_checkpoint(cand)
-    base_cfg = json.loads((base / "config.json").read_text())
     _check_same_model(ckpt, base_cfg, base, cand)
     notes: list[str] = []
 
@@ -244,13 +304,13 @@ def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, s
     from qtk.eval.engines import has_tokenizer, load_tokenizer, same_tokenizer_files
 
     prepared = [prepare(t, limit=limit, seed=seed) for t in tf.tasks]
-    tokenizer = load_tokenizer(base)
+    tokenizer = load_tokenizer(base, trust_remote_code=trust_remote_code)
     requests = [build_requests(p, tokenizer) for p in prepared]
     cand_tok = tokenizer
     if not has_tokenizer(cand):
         notes.append("the checkpoint has no tokenizer files: used the baseline's")
     elif not same_tokenizer_files(cand, base):
-        cand_tok = load_tokenizer(cand)
+        cand_tok = load_tokenizer(cand, trust_remote_code=trust_remote_code)
         for p, r in zip(prepared, requests):
             if build_requests(p, cand_tok).digest() != r.digest():
                 raise UsageError(f"the candidate's tokenizer tokenizes task '{p.spec.name}' differently from the baseline's",
@@ -278,7 +338,7 @@ def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, s
     topk = min(tf.agreement.kl_topk, vocab)
     settings = engine_settings(engine, device, dtype, batch_size, topk)
     cache = BaselineCache(root)
-    kw = dict(device=device, batch_size=batch_size, dtype=dtype)
+    kw = dict(device=device, batch_size=batch_size, dtype=dtype, trust_remote_code=trust_remote_code)
 
     runs = {"done": 0, "total": 2 * len(prepared)}  # baseline and candidate of every task, less cached baselines
 
@@ -378,9 +438,10 @@ def _make_engine(engine: str, path: Path, ckpt, kw: dict):
     if engine == "vllm":
         if ckpt is not None and ckpt.format != "vllm":
             raise UsageError(f"vLLM cannot load a {ckpt.format} checkpoint", "use --engine hf for this checkpoint")
-        return VLLMEngine(path, kv_cache=ckpt.kv_cache if ckpt is not None else None)
+        return VLLMEngine(path, kv_cache=ckpt.kv_cache if ckpt is not None else None, trust_remote_code=kw["trust_remote_code"])
     if ckpt is None:
         return HFEngine.baseline(path, **{k: v for k, v in kw.items() if k != "tokenizer"})
+    kw = {k: v for k, v in kw.items() if k != "trust_remote_code"}  # the candidate is built from qtk's reader, not from its code
     tok = kw.pop("tokenizer")
     return HFEngine.candidate(ckpt, tok, **kw)
 

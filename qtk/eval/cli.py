@@ -40,7 +40,7 @@ def _summary(result) -> str:
 
 
 def _eval(checkpoint, baseline, tasks_file, junit, json_path, markdown, plot, engine, limit, seed, strict, strict_heldout,
-          cache_dir, no_cache, batch_size, device, dtype, bootstrap, task_names, threads):
+          cache_dir, no_cache, batch_size, device, dtype, bootstrap, task_names, threads, trust_remote_code):
     """Gate CHECKPOINT (a directory `qtk convert` wrote) against the original model: same examples, same batches,
     paired bootstrap intervals, limits from the task file. Exit 0 pass, 1 gate failed, 2 usage error.
 
@@ -51,7 +51,7 @@ def _eval(checkpoint, baseline, tasks_file, junit, json_path, markdown, plot, en
                                 strict_heldout=strict_heldout, cache_dir=cache_dir, use_cache=not no_cache,
                                 batch_size=batch_size, device=device, dtype=dtype, bootstrap=bootstrap,
                                 tasks=list(task_names) or None, json_path=json_path, junit=junit, markdown=markdown,
-                                plot=plot, threads=threads)
+                                plot=plot, threads=threads, trust_remote_code=trust_remote_code)
     click.echo(_summary(result))
     result.raise_for_verdict()
 
@@ -96,6 +96,8 @@ _options = [
     click.option("--task", "task_names", multiple=True, help="Run only this task of the file (repeatable)."),
     click.option("--threads", type=int, default=None,
                  help="CPU threads for the hf engine [torch's default]; 1 is often fastest for small models on a busy machine."),
+    click.option("--trust-remote-code", is_flag=True,
+                 help="Allow custom code named by the models' auto_map (config or tokenizer); refused without this flag."),
 ]
 
 

@@ -33,11 +33,11 @@ def _device(device: str | None) -> str:
     return device
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:  # trust_remote_code explicit: left at None, transformers asks on a terminal (and a piped 'y' answers it)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises OSError/ValueError/... for missing or broken tokenizer files
         raise UsageError(f"cannot load a tokenizer from {path} ({e.__class__.__name__}: {str(e).splitlines()[0][:160]})",
                          "the baseline directory needs its tokenizer files") from None
@@ -124,7 +124,7 @@ class HFEngine:
 
     # ---- construction
     @classmethod
-    def baseline(cls, path: str | Path, **kw) -> "HFEngine":
+    def baseline(cls, path: str | Path, *, trust_remote_code: bool = False, **kw) -> "HFEngine":
         """The original model directory, loaded by transformers from local files."""
         from transformers import AutoModelForCausalLM
 
@@ -132,13 +132,14 @@ class HFEngine:
 
         dtype = getattr(torch, kw.get("dtype", "float32"))
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
+                                                         trust_remote_code=trust_remote_code)
         except Exception as e:
             raise UsageError(f"cannot load the baseline {path} with transformers ({e.__class__.__name__}: "
                              f"{str(e).splitlines()[0][:200] if str(e) else ''})",
                              "--baseline must be the original Hugging Face model directory") from None
         use_qtk_attention(model)  # the same attention function (sdpa underneath) as the candidate
-        return cls(model, load_tokenizer(Path(path)), **kw)
+        return cls(model, load_tokenizer(Path(path), trust_remote_code=trust_remote_code), **kw)
 
     @classmethod
     def candidate(cls, ckpt, tokenizer, **kw) -> "HFEngine":
@@ -318,7 +319,7 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, path: str | Path, *, kv_cache: str | None = None, max_logprobs: int = 20,
-                 gpu_memory_utilization: float = 0.45):
+                 gpu_memory_utilization: float = 0.45, trust_remote_code: bool = False):
         ok, why = vllm_available()
         if not ok:
             raise UsageError(f"the vllm engine cannot run here: {why}", "use --engine hf (the default) to simulate the engine")
@@ -330,8 +331,9 @@ class VLLMEngine:
         self.kv_cache = kv_cache
         self.max_logprobs = max_logprobs
         self.llm = LLM(model=str(path), kv_cache_dtype="fp8" if kv_cache == "fp8" else "auto", seed=0,
-                       gpu_memory_utilization=gpu_memory_utilization, max_logprobs=max_logprobs, enable_prefix_caching=False)
-        self.tokenizer = load_tokenizer(self.path)
+                       gpu_memory_utilization=gpu_memory_utilization, max_logprobs=max_logprobs, enable_prefix_caching=False,
+                       trust_remote_code=trust_remote_code)
+        self.tokenizer = load_tokenizer(self.path, trust_remote_code=trust_remote_code)
         self.vocab = int(json.loads((self.path / "config.json").read_text())["vocab_size"])
 
     def close(self) -> None:

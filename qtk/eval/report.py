@@ -57,6 +57,17 @@ def _limit_text(limit: dict) -> str:
     return ", ".join(parts) or "—"
 
 
+def _agreement_limit_text(limits: dict) -> str:
+    parts = []
+    if "max_kl" in limits:
+        parts.append(f"KL ≤ {limits['max_kl']:g}")
+    if "min_top1" in limits:
+        parts.append(f"top-1 agreement ≥ {limits['min_top1']:g}%")
+    if "max_ppl_ratio" in limits:
+        parts.append(f"perplexity ratio ≤ {limits['max_ppl_ratio']:g}")
+    return ", ".join(parts) or "none"
+
+
 _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
 
@@ -78,7 +89,7 @@ def write_junit(result, path) -> None:
     a = result.agreement
     if a is not None:
         msg = (f"tokens {a.tokens}, KL {_f(a.kl, 5)}, top-1 agreement {_f(a.top1)}%, perplexity ratio {_f(a.ppl_ratio, 4)}; "
-               f"limits {a.limits or 'none'}")
+               f"limits {_agreement_limit_text(a.limits)}")
         cases.append(("qtk.eval.agreement", "agreement", a.status == "fail", a.reason, msg, 0.0))
     c = result.contamination
     c_failed = any(f.startswith("contamination") for f in result.failures)

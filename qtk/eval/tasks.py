@@ -52,9 +52,13 @@ class Limit:
         if d is None:
             return cls()
         check_keys(d, LIMIT_KEYS, where)
-        lim = cls(max_drop=_num(d, "max_drop", where), min_recovery=_num(d, "min_recovery", where, positive=True))
-        if lim.max_drop is not None and lim.max_drop < 0:
+        lim = cls(max_drop=_num(d, "max_drop", where), min_recovery=_num(d, "min_recovery", where))
+        if lim.max_drop is not None and not 0 <= lim.max_drop < float("inf"):
             raise UsageError(f"{where}.max_drop: must be >= 0 (got {lim.max_drop})", "a drop limit is a non-negative number of points")
+        if lim.min_recovery is not None and not 0 < lim.min_recovery <= 1:
+            hint = f" (for {lim.min_recovery:g}% write {lim.min_recovery / 100:g})" if 1 < lim.min_recovery <= 100 else ""
+            raise UsageError(f"{where}.min_recovery: must be a fraction in (0, 1], got {lim.min_recovery:g}{hint}",
+                             "write the share of the baseline the candidate must keep, e.g. min_recovery: 0.98")
         return lim
 
     @property
@@ -136,6 +140,16 @@ def parse_task(d: Any, where: str, defaults: Mapping, base_dir: Path) -> TaskSpe
     merged = {**defaults, **d}
     if "gate" in defaults and "gate" in d and isinstance(defaults["gate"], Mapping) and isinstance(d["gate"], Mapping):
         merged["gate"] = {**defaults["gate"], **d["gate"]}
+    if merged.get("type") == "perplexity" and isinstance(merged.get("gate"), Mapping) and "max_drop" in merged["gate"]:
+        # max_drop counts points of an accuracy; a perplexity's scale depends on the tokenizer and the text, so a number
+        # of perplexity units means nothing portable: its limit is min_recovery (a ratio). A default applies to the
+        # accuracy tasks only; one written on the task itself is refused.
+        if isinstance(d.get("gate"), Mapping) and d["gate"].get("max_drop") is not None:
+            task = f"task {d['name']!r}" if isinstance(d.get("name"), str) and d["name"] else where
+            raise UsageError(f"{task}.gate.max_drop: perplexity tasks are limited by min_recovery "
+                             "(baseline/candidate perplexity), not by a drop in points",
+                             "replace it with e.g. 'gate: {min_recovery: 0.98}', or agreement.max_ppl_ratio")
+        merged["gate"] = {k: v for k, v in merged["gate"].items() if k != "max_drop"}
     name = merged.get("name")
     if not isinstance(name, str) or not name or not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
         raise UsageError(f"{where}.name: expected a name of letters, digits, '_', '-', '.' (got {name!r})", "add e.g. 'name: arithmetic'")

@@ -48,6 +48,35 @@ def available_targets() -> list[str]:
     return sorted(WRITERS)
 
 
+def accepting_targets(source, recipe, options, exclude=()) -> list[str]:
+    """The targets whose writer's own check accepts this recipe, model and options (vllm, the default, first)."""
+    ok = []
+    for t in sorted(available_targets(), key=lambda t: (t != "vllm", t)):
+        if t in exclude:
+            continue
+        try:
+            WRITERS[t].check(source, recipe, options)
+        except UsageError:
+            continue
+        ok.append(t)
+    return ok
+
+
+def check_targets(source, recipe, options, targets) -> None:
+    """Every requested writer's check, before any work. A writer that refuses without a fix of its own (fix=None:
+    only another target would help) gets the targets that do accept the recipe, computed by asking their checks."""
+    for t in targets:
+        try:
+            writer_for(t).check(source, recipe, options)
+        except UsageError as e:
+            if e.fix is not None:
+                raise
+            ok = accepting_targets(source, recipe, options, exclude=set(targets))
+            fix = ("use " + " or ".join(f"--target {o}" for o in ok) if ok
+                   else "no target accepts this recipe for this model: change the recipe (qtk recipes list)")
+            raise UsageError(e.problem, fix) from None
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     max_shard_bytes: int = 5 * 10**9

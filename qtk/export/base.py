@@ -24,7 +24,8 @@ class Writer:
 
     @classmethod
     def check(cls, source, recipe, options: ExportOptions) -> list[str]:
-        """Refuse (UsageError) what this target cannot express, before any work; return notes for the user."""
+        """Refuse (UsageError) what this target cannot express, before any work; return notes for the user.
+        A refusal only another target can answer leaves its fix None: the caller names the targets that accept."""
         return []
 
     def add_dense(self, name: str, tensor) -> None:

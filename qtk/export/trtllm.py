@@ -21,6 +21,7 @@ from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
 from qtk.export.checkpoint import Checkpoint
 from qtk.model.arch import DOWN, GATE, K, O, Q, UP, V, arch_for
+from qtk.model.config_check import check_tensor_parallel, tp_divisors
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import FP8_MAX, QuantScheme
 
@@ -171,19 +172,10 @@ class Geometry:
                    int(get("vocab_size")))
 
     def check(self, tp: int, pp: int, group_size: int | None) -> None:
-        def refuse(what: str, n: int, flag: str, val: int):
-            divisors = [d for d in (1, 2, 4, 8) if n % d == 0]
-            raise UsageError(f"--{flag} {val} does not divide {what} ({n})", f"use --{flag} {' or '.join(map(str, divisors))}")
-
-        if self.heads % tp:
-            refuse("the attention heads", self.heads, "tp", tp)
-        if (self.kv_heads % tp if self.kv_heads >= tp else tp % self.kv_heads):
-            raise UsageError(f"--tp {tp} cannot share the {self.kv_heads} KV heads evenly (split them, or copy each to tp/kv ranks)",
-                             f"use a --tp that divides {self.kv_heads} or is a multiple of it")
-        if self.intermediate % tp:
-            refuse("intermediate_size", self.intermediate, "tp", tp)
+        check_tensor_parallel(tp, self.heads, self.kv_heads, self.intermediate)  # the rule `qtk plan` applies too
         if self.layers % pp:
-            refuse("the decoder layers", self.layers, "pp", pp)
+            raise UsageError(f"--pp {pp} does not divide the decoder layers ({self.layers})",
+                             f"use --pp {' or '.join(map(str, tp_divisors(self.layers)))}")
         if group_size:
             for what, n in (("hidden_size", self.hidden), ("the attention width per rank", self.heads * self.head_dim // tp),
                             ("intermediate_size per rank", self.intermediate // tp)):

@@ -5,15 +5,19 @@ from __future__ import annotations
 import click
 
 from qtk.errors import CheckFailed, UsageError
-from qtk.plan.hardware import GB, gpu_names
+from qtk.plan.hardware import DEFAULT_GPU, GB, gpu_names
 
 
 @click.command("plan")
 @click.argument("model", type=click.Path(exists=True, dir_okay=True, file_okay=True))
-@click.option("--recipe", "recipe_name", default=None,
-              help="Built-in recipe name or YAML path; 'none' plans the unquantized model (default).")
-@click.option("--recommend", is_flag=True, help="Pick a shipped recipe that fits with headroom, and say why.")
-@click.option("--gpu", default="h100-80g", show_default=True, help=f"One of: {', '.join(gpu_names())}.")
+@click.option("--recipe", "recipe_names", multiple=True,
+              help="Built-in recipe name or YAML path; 'none' plans the unquantized model (default). "
+                   "With --recommend (repeatable): your recipes, considered alongside the shipped ones.")
+@click.option("--recommend", is_flag=True,
+              help="Pick the recipe (every shipped weight scheme with and without an 8-bit KV cache) that fits with "
+                   "headroom, and say why.")
+@click.option("--gpu", default=DEFAULT_GPU, show_default=True,
+              help=f"One of: {', '.join(gpu_names())} (common aliases such as h100-80g work too).")
 @click.option("--gpu-mem", type=float, default=None, help="Override GPU memory, in GB.")
 @click.option("--gpu-bw", type=float, default=None, help="Override memory bandwidth, in TB/s.")
 @click.option("--price", type=float, default=None, help="Override the hourly price per GPU, in USD.")
@@ -33,7 +37,7 @@ from qtk.plan.hardware import GB, gpu_names
               show_default=True, help="INT4 is flagged as risky for code and math.")
 @click.option("--api-price", type=float, default=None, help="API price per 1M output tokens, for the break-even volume.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def plan(model, recipe_name, recommend, gpu, gpu_mem, gpu_bw, price, tp, tp_efficiency, context, concurrency,
+def plan(model, recipe_names, recommend, gpu, gpu_mem, gpu_bw, price, tp, tp_efficiency, context, concurrency,
          utilization, overhead_gb, dtype, headroom, workload, api_price, as_json):
     """Plan serving MODEL (a model directory or its config.json) from its config alone.
 
@@ -46,9 +50,11 @@ def plan(model, recipe_name, recommend, gpu, gpu_mem, gpu_bw, price, tp, tp_effi
     from qtk.plan.memory import ModelShape, read_config
     from qtk.plan.planner import Deployment, make_plan
     from qtk.plan.render import render_decision, render_plan, to_json
+    from qtk.recipe import load_recipe
 
-    if recommend and recipe_name not in (None, "none"):
-        raise UsageError("--recipe and --recommend both given", "drop --recipe to let qtk choose, or drop --recommend")
+    names = [n for n in recipe_names if n != "none"]
+    if not recommend and len(recipe_names) > 1:
+        raise UsageError(f"--recipe given {len(recipe_names)} times", "plan one recipe at a time, or add --recommend to choose among them")
     if overhead_gb < 0:
         raise UsageError(f"--overhead-gb must be >= 0, got {overhead_gb}", "e.g. --overhead-gb 1.5")
     if not 0 <= headroom < 1:
@@ -62,20 +68,20 @@ def plan(model, recipe_name, recommend, gpu, gpu_mem, gpu_bw, price, tp, tp_effi
     console = Console(highlight=False)
 
     if recommend:
-        decision = decide(shape, dep, min_headroom=headroom, workload=workload)
+        extra = {}
+        for n in names:
+            r = load_recipe(n)
+            extra[r.name if r.name not in extra and r.name not in shipped_names() else n] = r
+        decision = decide(shape, dep, min_headroom=headroom, workload=workload, extra=extra)
         if decision.chosen is None:
             if as_json:
                 click.echo(to_json(decision=decision))
             else:
-                render_decision(console, decision)
+                render_decision(console, decision)  # the table of reasons; the verdict is the error line below
             raise CheckFailed(decision.reason, "use more GPUs (--tp), a shorter --context or a lower --concurrency")
-        p = make_plan(shape, decision.recipe, dep, api_usd_per_1m=api_price, decision=decision)
+        p = make_plan(shape, decision.recipe, dep, recipe_name=decision.chosen, api_usd_per_1m=api_price, decision=decision)
     else:
-        recipe = None
-        if recipe_name not in (None, "none"):
-            from qtk.recipe import load_recipe
-
-            recipe = load_recipe(recipe_name)
+        recipe = load_recipe(names[0]) if names else None
         p = make_plan(shape, recipe, dep, api_usd_per_1m=api_price)
 
     if as_json:
@@ -88,3 +94,9 @@ def plan(model, recipe_name, recommend, gpu, gpu_mem, gpu_bw, price, tp, tp_effi
                else "use more GPUs (--tp), a shorter --context, or a smaller recipe (try --recommend)")
         raise CheckFailed(f"{p.recipe_name} does not fit on {dep.describe()}: needs {m.needed / GB:.1f} GB per GPU "
                           f"of {m.budget / GB:.1f} GB", fix)
+
+
+def shipped_names() -> set[str]:
+    from qtk.recipe import builtin_recipes
+
+    return set(builtin_recipes())

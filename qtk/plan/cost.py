@@ -28,6 +28,11 @@ class Throughput:
     bytes_per_step: int  # per GPU: weights touched + every sequence's KV
     prefill_tokens_per_s: float
     ttft_s: float  # one full-context prompt on an idle deployment
+    # the factors the roofline applies to the datasheet peaks
+    bandwidth_utilization: float = MBU
+    compute_utilization: float = MFU
+    tp_efficiency: float = 1.0
+    decode_efficiency: float = MBU  # of the binding peak in a decode step: MBU (or MFU) × tp_efficiency
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -62,9 +67,10 @@ def throughput(s: ModelShape, w: WeightBytes, mem: MemoryPlan, gpu: GPU, *, tp: 
     v_dim = s.v_head_dim if s.is_mla else s.head_dim
     attn_flops = 2 * s.layers * s.heads * (s.qk_head_dim + v_dim) * context / 2
     prefill = peak * tp * tp_eff / (flops_token + attn_flops)
+    bound = "memory" if mem_time >= compute_time else "compute"
     return Throughput(decode_tokens_per_s=decode, per_sequence_tokens_per_s=decode / b, step_ms=step * 1e3,
-                      bound="memory" if mem_time >= compute_time else "compute", bytes_per_step=per_gpu,
-                      prefill_tokens_per_s=prefill, ttft_s=context / prefill)
+                      bound=bound, bytes_per_step=per_gpu, prefill_tokens_per_s=prefill, ttft_s=context / prefill,
+                      tp_efficiency=tp_eff, decode_efficiency=(MBU if bound == "memory" else MFU) * tp_eff)
 
 
 @dataclass(frozen=True)

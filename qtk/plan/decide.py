@@ -1,9 +1,11 @@
-"""The decision tree behind `qtk plan --recommend`: which shipped recipe to use on this deployment.
+"""The decision tree behind `qtk plan --recommend`: which recipe to use on this deployment.
 
-Recipes are read from the recipes directory and classified by their schemes, never by name. Order:
-compress the weights first (8-bit), then the KV cache, then 4-bit weights; the first class with a
-recipe that fits with headroom wins, and within a class the more accurate, better-supported recipe.
-FP8 is only considered on GPUs with FP8 tensor cores.
+Recipes are read from the recipes directory (plus any the user gives) and classified by their schemes,
+never by name. Every weight scheme is tried with and without an 8-bit KV cache, so a recipe that exists only
+as a combination (say INT4 weights + FP8 KV) is found and written out as a recipe file. Order: compress the
+weights first (8-bit), then the KV cache, then 4-bit weights; the first class with a recipe that fits with
+headroom wins, and within a class the more accurate, better-supported recipe. FP8 is only considered on
+GPUs with FP8 tensor cores.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Mapping
 
 from qtk.plan.hardware import GB
 from qtk.plan.memory import MemoryPlan, ModelShape, WeightBytes
-from qtk.plan.planner import Deployment, evaluate
+from qtk.plan.planner import Deployment, check_deployment, evaluate
 
 DEFAULT_MIN_HEADROOM = 0.10  # of the budget: the activation and overhead figures are estimates
 CALIBRATED = ("gptq", "awq", "smoothquant")
@@ -69,9 +71,12 @@ class Candidate:
     memory: MemoryPlan | None = None
     status: str = ""  # chosen | passed | excluded | no-fit | tight | error
     reason: str = ""
+    derived_from: str | None = None  # a KV-cache variant of this recipe, not a file of its own
 
     def as_dict(self) -> dict:
         d = {"recipe": self.name, "status": self.status, "reason": self.reason}
+        if self.derived_from:
+            d["derived_from"] = self.derived_from
         if self.weights is not None:
             d.update(weights_bytes=self.weights.total, needed_bytes_per_gpu=self.memory.needed,
                      budget_bytes_per_gpu=self.memory.budget, headroom_fraction=round(self.memory.headroom_fraction, 4),
@@ -88,12 +93,25 @@ class Decision:
     baseline: MemoryPlan | None = None  # the unquantized model, for reference
 
     @property
+    def candidate(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.name == self.chosen), None)
+
+    @property
     def recipe(self):
-        return next((c.recipe for c in self.candidates if c.name == self.chosen), None)
+        c = self.candidate
+        return c.recipe if c is not None else None
+
+    @property
+    def recipe_yaml(self) -> str | None:
+        """The recipe file to convert with, when the choice is a combination no shipped recipe spells out."""
+        c = self.candidate
+        return c.recipe.text if c is not None and c.derived_from else None
 
     def as_dict(self) -> dict:
         d = {"chosen": self.chosen, "reason": self.reason, "warnings": self.warnings,
              "candidates": [c.as_dict() for c in self.candidates]}
+        if self.recipe_yaml:
+            d["recipe_yaml"] = self.recipe_yaml
         if self.baseline is not None:
             d["baseline"] = {"fits": self.baseline.fits, "needed_bytes_per_gpu": self.baseline.needed,
                              "headroom_fraction": round(self.baseline.headroom_fraction, 4)}
@@ -111,6 +129,60 @@ def shipped_recipes() -> dict[str, object]:
             out[name] = load_recipe(path)
         except QtkError as e:
             out[name] = e
+    return out
+
+
+def with_kv_cache(recipe, kv_type: str | None, name: str):
+    """`recipe` with an 8-bit KV cache of `kv_type` ('float': FP8, 'int': INT8), or with none (None), as the
+    recipe file a user would write: the base recipe's YAML with its kv_cache and name replaced, parsed again."""
+    import yaml
+
+    from qtk.recipe import parse_recipe
+
+    doc = yaml.safe_load(recipe.text) if recipe.text else None
+    if not isinstance(doc, dict):  # a recipe built in code has no text: derive it from its fields
+        from dataclasses import replace
+
+        from qtk.recipe import QuantScheme
+
+        kv = None if kv_type is None else QuantScheme.parse({"num_bits": 8, "type": kv_type}, f"{name}: kv_cache", "kv_cache")
+        return replace(recipe, name=name, kv_cache=kv, description=f"{recipe.name} with {_kv_words(kv_type)}")
+    doc.pop("kv_cache", None)
+    doc = {"name": name, "description": f"{recipe.name} with {_kv_words(kv_type)} (combined by qtk plan --recommend)",
+           **{k: v for k, v in doc.items() if k not in ("name", "description")}}
+    if kv_type is not None:
+        doc["kv_cache"] = {"num_bits": 8, "type": kv_type}
+    text = yaml.safe_dump(doc, sort_keys=False)
+    return parse_recipe(doc, text, f"{name} (derived from {recipe.name})")
+
+
+def _kv_words(kv_type: str | None) -> str:
+    return {"float": "an FP8 KV cache", "int": "an INT8 KV cache", None: "a 16-bit KV cache"}[kv_type]
+
+
+def kv_words(recipe) -> str:
+    return _kv_words(None if recipe.kv_cache is None else recipe.kv_cache.type)
+
+
+def _plan_key(recipe) -> tuple:
+    """What decides a recipe's memory and accuracy (its name, text and calibration data do not)."""
+    return recipe.weights, recipe.activations, recipe.kv_cache, recipe.algorithm, recipe.ignore
+
+
+def kv_variants(recipes: Mapping[str, object], gpu) -> list[tuple[str, object, str | None]]:
+    """Every recipe as given, plus each weight scheme with the KV option it lacks: an 8-bit KV cache (FP8 on GPUs
+    with FP8, INT8 elsewhere: the same bytes) where it has none, a 16-bit one where it has one. Variants equal to a
+    recipe already in the set are dropped. Returns (name, recipe or loading error, the recipe it derives from)."""
+    out = [(n, r, None) for n, r in sorted(recipes.items())]
+    seen = {_plan_key(r) for _, r, _ in out if not isinstance(r, Exception)}
+    kv8 = "float" if gpu.fp8 else "int"
+    for name, r, _ in list(out):
+        if isinstance(r, Exception):
+            continue
+        v = with_kv_cache(r, None, f"{name}+kv16") if r.kv_cache is not None else with_kv_cache(r, kv8, f"{name}+kv8")
+        if _plan_key(v) not in seen:
+            seen.add(_plan_key(v))
+            out.append((v.name, v, name))
     return out
 
 
@@ -136,18 +208,24 @@ def _why_lower(c: RecipeClass, best: RecipeClass, best_name: str, gpu_label: str
 
 
 def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | None = None, *,
-              min_headroom: float = DEFAULT_MIN_HEADROOM, workload: str = "general") -> Decision:
-    """Pick a recipe for the deployment and give a one-line reason for every one passed over."""
-    recipes = shipped_recipes() if recipes is None else recipes
+              min_headroom: float = DEFAULT_MIN_HEADROOM, workload: str = "general",
+              extra: Mapping[str, object] | None = None, combine_kv: bool = True) -> Decision:
+    """Pick a recipe for the deployment and give a one-line reason for every one passed over.
+
+    recipes: the candidates (default: the shipped directory); extra: more recipes (the user's files), considered
+    alongside; combine_kv: also try every weight scheme with the KV-cache option it lacks (see kv_variants)."""
+    check_deployment(s, dep)
+    recipes = {**(shipped_recipes() if recipes is None else recipes), **(extra or {})}
     gpu = dep.gpu
+    pool = kv_variants(recipes, gpu) if combine_kv else [(n, r, None) for n, r in sorted(recipes.items())]
     cands: list[Candidate] = []
-    for name, r in sorted(recipes.items()):
+    for name, r, parent in pool:
         if isinstance(r, Exception):
             cands.append(Candidate(name, None, error=str(r), status="error", reason=f"could not be loaded: {r}"))
             continue
         k = RecipeClass.of(r)
         w, m = evaluate(s, r, dep)
-        c = Candidate(name, r, klass=k, weights=w, memory=m)
+        c = Candidate(name, r, klass=k, weights=w, memory=m, derived_from=parent)
         if k.fp8 and not gpu.fp8:
             c.status = "excluded"
             c.reason = (f"FP8 needs FP8 tensor cores (Ada, Hopper, Blackwell, MI300); {gpu.label} ({gpu.generation}) "

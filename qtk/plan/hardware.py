@@ -8,6 +8,7 @@ them with --price.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from qtk.errors import UsageError
@@ -31,6 +32,7 @@ class GPU:
     interconnect: str  # nvlink | pcie | xgmi: sets the default tensor-parallel efficiency
     generation: str
     bf16: bool = True
+    base: str | None = None  # a custom GPU: the listed GPU its unstated figures come from
 
     @property
     def fp8(self) -> bool:
@@ -50,7 +52,7 @@ class GPU:
             "bandwidth_bytes_per_s": self.bandwidth, "bf16_tflops": self.bf16_tflops,
             "int8_tops": self.int8_tops, "fp8_tflops": self.fp8_tflops, "fp8": self.fp8,
             "price_per_hour": self.price_per_hour, "interconnect": self.interconnect,
-            "generation": self.generation,
+            "generation": self.generation, "base": self.base,
         }
 
 
@@ -85,43 +87,57 @@ ALIASES = {
 TP_EFFICIENCY_PER_DOUBLING = {"nvlink": 0.9, "xgmi": 0.9, "pcie": 0.75}
 
 
+DEFAULT_GPU = "h100-sxm"
+
+
 def gpu_names() -> list[str]:
     return list(GPUS)
 
 
 def get_gpu(name: str | None, *, mem_gb: float | None = None, bandwidth_tb_s: float | None = None,
             price: float | None = None) -> GPU:
-    """Look up a GPU by name (or alias) and apply the user's overrides; no name needs --gpu-mem."""
+    """Look up a GPU by name (or alias) and apply the user's overrides; no name needs --gpu-mem.
+
+    Any override makes a custom GPU: it is named "custom" and labelled with the figures given and the GPU the
+    rest (compute, FP8, interconnect, and any figure not given) is taken from, so no report names a GPU the
+    numbers do not describe."""
     if name is None:
         if mem_gb is None:
             raise UsageError("no GPU given", f"pass --gpu NAME ({', '.join(GPUS)}) or --gpu-mem GB")
-        # a custom accelerator: only memory is known; bandwidth/compute default to an H100 PCIe's
-        base = replace(GPUS["h100-pcie"], name="custom", label="custom GPU", fp8_tflops=None)
+        # a custom accelerator: only memory is known; bandwidth/compute default to an H100 PCIe's, without FP8
+        base = replace(GPUS["h100-pcie"], fp8_tflops=None)
     else:
         key = name.strip().lower().replace("_", "-").replace(" ", "-")
         key = ALIASES.get(key, key)
         if key not in GPUS:
             raise UsageError(f"unknown GPU '{name}'", f"use one of {', '.join(GPUS)}, or --gpu-mem/--gpu-bw/--price")
         base = GPUS[key]
+    for value, what, least, fix in ((mem_gb, "--gpu-mem", "positive", "give the GPU memory in GB, e.g. --gpu-mem 80"),
+                                    (bandwidth_tb_s, "--gpu-bw", "positive", "give the bandwidth in TB/s, e.g. --gpu-bw 3.35"),
+                                    (price, "--price", ">= 0", "give the hourly price per GPU in USD, e.g. --price 2.5")):
+        if value is not None and not (math.isfinite(value) and (value > 0 if least == "positive" else value >= 0)):
+            raise UsageError(f"{what} must be {least}, got {value}", fix)
+    gpu, given = base, []
     if mem_gb is not None:
-        if mem_gb <= 0:
-            raise UsageError(f"--gpu-mem must be positive, got {mem_gb}", "give the GPU memory in GB, e.g. --gpu-mem 80")
-        base = replace(base, mem_bytes=int(mem_gb * GB))
+        gpu = replace(gpu, mem_bytes=int(mem_gb * GB))
+        given.append(f"{mem_gb:g} GB")
     if bandwidth_tb_s is not None:
-        if bandwidth_tb_s <= 0:
-            raise UsageError(f"--gpu-bw must be positive, got {bandwidth_tb_s}", "give the bandwidth in TB/s, e.g. --gpu-bw 3.35")
-        base = replace(base, bandwidth=bandwidth_tb_s * 1e12)
+        gpu = replace(gpu, bandwidth=bandwidth_tb_s * 1e12)
+        given.append(f"{bandwidth_tb_s:g} TB/s")
     if price is not None:
-        if price < 0:
-            raise UsageError(f"--price must be >= 0, got {price}", "give the hourly price per GPU in USD, e.g. --price 2.5")
-        base = replace(base, price_per_hour=price)
-    return base
+        gpu = replace(gpu, price_per_hour=price)
+        given.append(f"${price:.2f}/h")
+    if not given:
+        return gpu
+    inherited = [w for w, v in (("memory", mem_gb), ("bandwidth", bandwidth_tb_s), ("price", price)) if v is None]
+    inherited += ["compute"] + (["FP8"] if gpu.fp8 else []) + ["interconnect"]
+    label = (f"custom GPU ({', '.join(given)}; {', '.join(inherited[:-1])} and {inherited[-1]} as {base.label}"
+             + (", no FP8" if name is None else "") + ")")
+    return replace(gpu, name="custom", label=label, base=base.name)
 
 
 def tp_efficiency(gpu: GPU, tp: int, per_doubling: float | None = None) -> float:
     """Parallel efficiency of tensor parallelism over tp GPUs: per_doubling ** log2(tp)."""
-    import math
-
     if tp <= 1:
         return 1.0
     f = per_doubling if per_doubling is not None else TP_EFFICIENCY_PER_DOUBLING.get(gpu.interconnect, 0.75)

@@ -24,6 +24,7 @@ DEFAULT_BATCHED_TOKENS = 8192
 # CUDA context, cuBLAS/NCCL workspaces and CUDA graphs, outside the weights / KV / activations
 DEFAULT_OVERHEAD_BYTES = int(1.5e9)
 DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
+MAX_CONFIG_BYTES = 16 * 2**20  # real config.json files are a few KB; a multimodal one with a vocabulary map < 1 MB
 
 
 def read_config(path: str | Path) -> dict:
@@ -32,10 +33,22 @@ def read_config(path: str | Path) -> dict:
     f = p / "config.json" if p.is_dir() else p
     if not f.is_file():
         raise UsageError(f"no config.json at {p}", "give a model directory or the path to its config.json")
+    if f.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf"):
+        raise UsageError(f"{f} is a weights file, not a config.json", f"give the model directory ({f.parent}) or its config.json")
     try:
-        cfg = json.loads(f.read_text())
+        if f.stat().st_size > MAX_CONFIG_BYTES:
+            raise UsageError(f"{f} is {f.stat().st_size:,} bytes, too large for a config.json",
+                             "give the model directory or its config.json")
+        cfg = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{f} is not a config.json (not UTF-8 text)", "give the model directory or its config.json") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{f} is not valid JSON (line {e.lineno})", "fix the file or re-download the model") from None
+    except (ValueError, RecursionError) as e:  # e.g. an integer of more than 4300 digits, or nesting a parser cannot follow
+        raise UsageError(f"{f} cannot be parsed as a config ({type(e).__name__}: {str(e)[:80]})",
+                         "fix the file or re-download the model") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {f} ({e.strerror or e})", "check the path and its permissions") from None
     if not isinstance(cfg, dict):
         raise UsageError(f"{f} holds a {type(cfg).__name__}, not a JSON object", "give a Hugging Face config.json")
     return cfg
@@ -139,6 +152,17 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg: Mapping) -> "ModelShape":
         """Parse a HF config.json dict (text_config of a multimodal config is used when present)."""
+        from qtk.model.config_check import check_config_sizes
+
+        check_config_sizes(cfg)  # before anything is sized by it: 10**7 layers would take minutes and gigabytes
+        try:
+            return cls._from_config(cfg)
+        except (TypeError, ValueError) as e:  # a value of the wrong kind that no size check covers (e.g. a list of dicts)
+            raise UsageError(f"config.json has a value qtk plan cannot use ({type(e).__name__}: {str(e)[:80]})",
+                             "restore the model's original config.json") from None
+
+    @classmethod
+    def _from_config(cls, cfg: Mapping) -> "ModelShape":
         notes: list[str] = []
         text = dict(cfg)
         prefix = "model"
@@ -536,13 +560,14 @@ def activation_bytes(s: ModelShape, dtype_bytes: int, concurrency: int, tp: int 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Memory on one GPU: what the deployment needs against the budget (mem × utilisation)."""
+    """Memory on one GPU: what the deployment needs against the budget (mem × utilisation). Every byte count is
+    one GPU's; the KV fields say so in their names because a KV cache is usually quoted for the whole model."""
 
     budget: int
     weights: int
-    kv_per_token: int
-    kv_per_request: int
-    kv_total: int
+    kv_per_token_per_gpu: int  # one GPU's share under tensor parallelism (KV heads split or copied)
+    kv_per_request_per_gpu: int
+    kv_total_per_gpu: int
     activations: int
     overhead: int
     needed: int
@@ -597,8 +622,8 @@ def plan_memory(s: ModelShape, weights: WeightBytes, *, mem_bytes: int, kv_bytes
             else:
                 hi = mid - 1
         max_ctx, limited = lo, "memory"
-    return MemoryPlan(budget=budget, weights=w, kv_per_token=kv_bytes_per_token(s, kv_bytes, tp),
-                      kv_per_request=per_req, kv_total=kv_total, activations=act, overhead=overhead,
+    return MemoryPlan(budget=budget, weights=w, kv_per_token_per_gpu=kv_bytes_per_token(s, kv_bytes, tp),
+                      kv_per_request_per_gpu=per_req, kv_total_per_gpu=kv_total, activations=act, overhead=overhead,
                       needed=needed, headroom=budget - needed, fits=needed <= budget, max_concurrency=int(max_conc),
                       max_context=int(max_ctx), max_context_limited_by=limited, kv_bytes=kv_bytes)
 

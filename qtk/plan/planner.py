@@ -73,6 +73,14 @@ def serving_dtype(s: ModelShape, dep: Deployment) -> str:
     return d
 
 
+def check_deployment(s: ModelShape, dep: Deployment) -> None:
+    """Refuse a tensor-parallel size the engines cannot split this model over (the check `qtk convert` applies
+    to the trtllm target, so the plan never prints a --tensor-parallel-size that fails at load)."""
+    from qtk.model.config_check import check_tensor_parallel
+
+    check_tensor_parallel(dep.tp, s.heads, s.kv_heads, s.intermediate)
+
+
 def evaluate(s: ModelShape, recipe, dep: Deployment) -> tuple[WeightBytes, MemoryPlan]:
     """Weights and per-GPU memory of `recipe` (None: unquantized) on the deployment."""
     dtype = serving_dtype(s, dep)
@@ -157,6 +165,7 @@ def make_plan(s: ModelShape, recipe, dep: Deployment, *, recipe_name: str | None
     """Everything `qtk plan` reports for one recipe (None: the unquantized model)."""
     from qtk.plan.serving import serving_commands
 
+    check_deployment(s, dep)
     w, m = evaluate(s, recipe, dep)
     tput = throughput(s, w, m, dep.gpu, tp=dep.tp, concurrency=dep.concurrency, context=dep.context,
                       activation_type=activation_type(recipe), tp_eff=dep.tp_eff)

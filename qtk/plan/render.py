@@ -63,12 +63,22 @@ def decision_table(decision):
 
 
 def render_decision(console, decision) -> None:
+    """The table of candidates and, when one is chosen, why (when none is, the caller's error line says so: once)."""
     console.print(decision_table(decision))
     if decision.baseline is not None:
         b = decision.baseline
         console.print(f"unquantized: {'fits' if b.fits else 'does not fit'} "
                       f"({_gb(b.needed)} per GPU of {_gb(b.budget)})")
-    console.print(("[bold green]→ " if decision.chosen else "[bold red]✘ ") + escape(decision.reason), soft_wrap=True)
+    if decision.chosen is None:
+        return
+    console.print("[bold green]→ " + escape(decision.reason), soft_wrap=True)
+    if decision.recipe_yaml:
+        from qtk.plan.decide import kv_words
+
+        c = decision.candidate
+        console.print(f"{escape(decision.chosen)} is {escape(c.derived_from)} with {kv_words(c.recipe)}, which no shipped "
+                      "recipe spells out: save it as a recipe file for qtk convert --recipe FILE", soft_wrap=True)
+        console.print(decision.recipe_yaml.rstrip(), markup=False, highlight=False, soft_wrap=True)
     for w in decision.warnings:
         console.print(f"[yellow]! {escape(w)}", soft_wrap=True)
 
@@ -96,9 +106,9 @@ def render_plan(console, plan) -> None:
            + (" (model limit)" if m.max_context_limited_by == "model" else ""))
     rows = [
         ("weights", _gb(m.weights)),
-        (f"KV cache per token ({kvd})", f"{m.kv_per_token:,} B"),
-        (f"KV cache per request ({d.context:,} tokens)", _gb(m.kv_per_request)),
-        (f"KV cache × {d.concurrency} requests", _gb(m.kv_total)),
+        (f"KV cache per token ({kvd})", f"{m.kv_per_token_per_gpu:,} B"),
+        (f"KV cache per request ({d.context:,} tokens)", _gb(m.kv_per_request_per_gpu)),
+        (f"KV cache × {d.concurrency} requests", _gb(m.kv_total_per_gpu)),
         ("activations / workspace", _gb(m.activations)),
         ("engine overhead", _gb(m.overhead)),
         ("[bold]needed", f"[bold]{_gb(m.needed)}"),
@@ -112,6 +122,10 @@ def render_plan(console, plan) -> None:
 
     rows = [
         ("decode (all sequences)", f"{tp_.decode_tokens_per_s:,.0f} tok/s ({tp_.bound}-bound)"),
+        ("decode efficiency (of peak " + ("bandwidth" if tp_.bound == "memory" else "compute") + ")",
+         f"{100 * tp_.decode_efficiency:.0f}% = " + (f"{100 * tp_.bandwidth_utilization:.0f}% MBU" if tp_.bound == "memory"
+                                                    else f"{100 * tp_.compute_utilization:.0f}% MFU")
+         + f" × {tp_.tp_efficiency:.2f} tensor-parallel"),
         ("decode per sequence", f"{tp_.per_sequence_tokens_per_s:,.1f} tok/s"),
         ("prefill", f"{tp_.prefill_tokens_per_s:,.0f} tok/s"),
         (f"time to first token ({d.context:,}-token prompt)", f"{tp_.ttft_s:.2f} s"),

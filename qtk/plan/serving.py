@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Mapping
 
-from qtk.plan.hardware import GB
+from qtk.plan.hardware import DEFAULT_GPU, GB
 from qtk.plan.memory import MemoryPlan, ModelShape
 
 
@@ -56,7 +56,7 @@ def serving_commands(s: ModelShape, recipe, m: MemoryPlan, dep, *, model_path: s
             "trtllm_kv_cache_free_gpu_memory_fraction": fraction, "notes": notes}
 
 
-def serving_section(config: Mapping | str | Path, recipe=None, gpu="h100-80g", context: int = 4096,
+def serving_section(config: Mapping | str | Path, recipe=None, gpu=DEFAULT_GPU, context: int = 4096,
                     concurrency: int = 8, tp: int = 1, *, utilization: float = 0.9, model_path: str = ".",
                     trtllm_checkpoint: str = "TRTLLM_CHECKPOINT", engine_dir: str = "ENGINE_DIR",
                     engines: tuple[str, ...] = ("vllm", "trtllm")) -> str:
@@ -92,7 +92,7 @@ def serving_section(config: Mapping | str | Path, recipe=None, gpu="h100-80g", c
         "| per GPU | GB |",
         "|---|---:|",
         f"| weights | {m.weights / GB:.2f} |",
-        f"| KV cache ({concurrency} × {context} tokens, {kv_kind}) | {m.kv_total / GB:.2f} |",
+        f"| KV cache ({concurrency} × {context} tokens, {kv_kind}) | {m.kv_total_per_gpu / GB:.2f} |",
         f"| activations | {m.activations / GB:.2f} |",
         f"| engine overhead | {m.overhead / GB:.2f} |",
         f"| budget ({utilization:g} × {g.mem_bytes / GB:.1f} GB) | {m.budget / GB:.2f} |",

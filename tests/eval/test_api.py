@@ -187,6 +187,10 @@ def test_reports_json_junit_markdown_plot(ckpts, tiny_llama, task_dir, cache, tm
     assert any(isinstance(r, Failure) for r in cases["ppl"].result)
     assert not any(isinstance(r, Failure) for r in cases["heldout"].result)
     assert xml.failures == len(res.failures) == 2
+    # limits read as limits, not as a Python dict
+    agreement_out = cases["agreement"].system_out
+    assert "limits KL ≤ 0.05, top-1 agreement ≥ 80%" in agreement_out and "{" not in agreement_out
+    assert "limit recovery ≥ 0.99" in cases["ppl"].system_out
 
     md = (out / "g.md").read_text()
     assert "| ppl | perplexity ↓ |" in md and "❌ fail" in md and "FAILED" in md

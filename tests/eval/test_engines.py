@@ -226,3 +226,24 @@ def test_stepwise_kv_quantization_while_decoding_equals_quantizing_the_whole_cac
         assert torch.equal(k, quant(full_k[..., :5, :], full_v[..., :5, :])[0])
         step.stop()
         assert step.k is None and torch.equal(step(full_k, full_v)[0], quant(full_k, full_v)[0])
+
+
+def test_the_engines_never_let_transformers_ask_to_run_model_code(tiny_llama, tmp_path, monkeypatch):
+    """Behind run_gate's refusal, every load passes trust_remote_code explicitly: left at None, transformers asks on
+    stdin (and runs the code on 'y'); with False it refuses without asking."""
+    import builtins
+    import shutil
+
+    d = shutil.copytree(tiny_llama, tmp_path / "m")
+    marker = tmp_path / "RAN"
+    (d / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                               "from transformers import PreTrainedConfig\n\nclass EvilConfig(PreTrainedConfig):\n"
+                               "    model_type = 'evil'\n")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "y")
+    load_tokenizer(d)  # the tokenizer files themselves are plain: transformers falls back to them without the code
+    with pytest.raises(UsageError, match="cannot load the baseline"):
+        HFEngine.baseline(d)
+    assert not asked and not marker.exists()

@@ -59,3 +59,66 @@ def test_importing_the_command_is_light():
     code = "import sys, qtk.eval.cli; bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+# --- refusals at load (issue 11 item 20, issue 16 item 2) -----------------------------------------
+
+EVIL = """import pathlib
+pathlib.Path({marker!r}).write_text("the model's own code ran")  # transformers runs a copy: an absolute path
+from transformers import PreTrainedConfig
+
+
+class EvilConfig(PreTrainedConfig):
+    model_type = "evil"
+"""
+
+
+def _with_remote_code(src, dst):
+    """A copy of a model directory whose config and tokenizer name code in evil.py (model_type unknown to transformers,
+    so transformers would ask on a terminal whether to run it)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    (dst / "evil.py").write_text(EVIL.format(marker=str(dst / "RAN")))
+    for name, changes in (("config.json", {"model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig"}}),
+                          ("tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["evil.EvilTok", "evil.EvilTok"]}})):
+        d = json.loads((dst / name).read_text()) if (dst / name).is_file() else {}
+        (dst / name).write_text(json.dumps({**d, **changes}))
+    return dst
+
+
+def _qtk_eval(*args, stdin="y\n" * 20):
+    import os
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    return subprocess.run([sys.executable, "-m", "qtk.cli", "eval", *map(str, args)], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def test_remote_code_never_runs_without_the_flag_even_when_stdin_says_yes(ckpts, tiny_llama, task_dir, tmp_path):
+    """transformers asked "Do you wish to run the custom code? [y/N]" and a 'y' on stdin ran the checkpoint's code."""
+    base = _with_remote_code(tiny_llama, tmp_path / "base")
+    cand = _with_remote_code(ckpts["int8-kv8"], tmp_path / "cand")
+    tasks = task_dir / "tasks.yaml"
+    for c, b, role, where in ((ckpts["int8-kv8"], base, "baseline", base), (cand, tiny_llama, "candidate", cand)):
+        r = _qtk_eval(c, "--baseline", b, "--tasks", tasks, "--no-cache")
+        assert not (where / "RAN").exists(), r.stderr[-2000:]
+        assert "wish to run" not in r.stdout + r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+        assert f"error: the {role} {where} needs custom code" in lines[0] and "--trust-remote-code" in lines[0]
+    # the flag is the only way through: with it transformers may import the code (and this one is no model)
+    r = _qtk_eval(ckpts["int8-kv8"], "--baseline", base, "--tasks", tasks, "--no-cache", "--trust-remote-code", stdin="")
+    assert (base / "RAN").exists() and r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_baseline_must_be_unquantized_and_the_candidate_one_checkpoint(ckpts, tiny_llama, task_dir, tmp_path):
+    out_root = ckpts["int8-kv8"].parent  # what qtk convert -o named: it holds vllm/
+    r = _run(out_root, "--baseline", tiny_llama, "--tasks", task_dir / "tasks.yaml")
+    assert r.exit_code == 2 and "is the output root of qtk convert (it holds vllm/)" in r.output
+    assert f"e.g. qtk eval {out_root / 'vllm'}" in r.output
+    r = _run(ckpts["int8-kv8"], "--baseline", ckpts["w8-kv8"], "--tasks", task_dir / "tasks.yaml")
+    assert r.exit_code == 2 and "is a quantized checkpoint (it has a compressed-tensors quantization_config)" in r.output
+    assert "original unquantized" in r.output
+    r = _run(ckpts["int8-kv8"], "--baseline", ckpts["w8-kv8-trt"], "--tasks", task_dir / "tasks.yaml")
+    assert r.exit_code == 2 and "is a quantized checkpoint" in r.output

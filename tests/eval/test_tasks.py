@@ -25,6 +25,13 @@ def _file(tmp_path, text):
     ("tasks: [{name: a, type: generate, data: x.jsonl}, {name: a, type: generate, data: y.jsonl}]", "used twice"),
     ("agreement: {max_kl: 0.1}\ntasks: [{name: a, type: generate, data: x.jsonl}]", "need a perplexity task"),
     ("tasks: []", "non-empty list"),
+    ("tasks: [{name: a, type: perplexity, data: x.jsonl, gate: {min_recovery: 98}}]",
+     "min_recovery: must be a fraction in (0, 1], got 98 (for 98% write 0.98)"),
+    ("tasks: [{name: a, type: generate, data: x.jsonl, gate: {min_recovery: 0}}]", "min_recovery: must be a fraction in (0, 1]"),
+    ("tasks: [{name: a, type: generate, data: x.jsonl, gate: {min_recovery: 1.5}}]", "must be a fraction in (0, 1], got 1.5"),
+    ("tasks: [{name: a, type: generate, data: x.jsonl, gate: {max_drop: .nan}}]", "max_drop: must be >= 0"),
+    ("tasks: [{name: p, type: perplexity, data: x.jsonl, gate: {max_drop: 2}}]",
+     "gate.max_drop: perplexity tasks are limited by min_recovery"),
 ])
 def test_task_file_errors_name_the_key_and_the_fix(tmp_path, text, needle):
     with pytest.raises(UsageError) as e:
@@ -44,6 +51,15 @@ def test_defaults_merge_and_gate_limits_do_not_change_the_task_identity(tmp_path
                                          "tasks:\n - {name: a, type: generate, data: x.jsonl}\n"))
     assert tf2.tasks[0].identity() == load_task_file(_file(tmp_path, "defaults: {limit: 5, seed: 3}\n"
                                                                       "tasks:\n - {name: a, type: generate, data: x.jsonl}\n")).tasks[0].identity()
+
+
+def test_a_default_max_drop_applies_to_accuracy_tasks_only(tmp_path):
+    """A perplexity task takes min_recovery; a max_drop from defaults (meant for the accuracies) is not applied to it."""
+    tf = load_task_file(_file(tmp_path, "defaults: {gate: {max_drop: 2}}\n"
+                                        "tasks:\n - {name: a, type: generate, data: x.jsonl}\n"
+                                        " - {name: p, type: perplexity, data: p.jsonl, gate: {min_recovery: 0.98}}\n"))
+    a, p = tf.tasks
+    assert a.gate.max_drop == 2 and (p.gate.max_drop, p.gate.min_recovery) == (None, 0.98)
 
 
 def _gen_rows(n):

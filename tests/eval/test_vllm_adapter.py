@@ -30,8 +30,9 @@ class LLM:
     instances: list = []
 
     def __init__(self, model, kv_cache_dtype="auto", seed=0, gpu_memory_utilization=0.9, max_logprobs=20,
-                 enable_prefix_caching=True):
+                 enable_prefix_caching=True, trust_remote_code=False):
         assert not enable_prefix_caching  # prompt log-probs and prefix caching do not mix
+        assert trust_remote_code is False  # qtk eval passes it explicitly, and only with --trust-remote-code
         self.kwargs = dict(model=model, kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs)
         import json
         from pathlib import Path

@@ -11,7 +11,7 @@ def test_api_plan_for_a_recipe_and_a_recommendation():
     cfg = CONFIGS / "llama-3.2-3b.json"
     p = api.plan(cfg, "int8-kv8", gpu="a100-80g", context=4096, concurrency=8)
     # 28 layers x 8 KV heads x 128 x 2 (K and V) x 1 byte (8-bit KV)
-    assert p.recipe.name == "int8-kv8" and p.memory.kv_per_token == 28 * 8 * 128 * 2
+    assert p.recipe.name == "int8-kv8" and p.memory.kv_per_token_per_gpu == 28 * 8 * 128 * 2
     rec = api.plan(cfg, gpu="h100-80g", context=4096, concurrency=8, recommend=True)
     assert rec.recommendation is not None and rec.recipe is rec.recommendation.recipe
     assert rec.recipe_name == rec.recommendation.chosen

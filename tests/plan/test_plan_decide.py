@@ -18,6 +18,11 @@ def pinned():
     return {n: load_recipe(n) for n in PINNED}
 
 
+def pick(s, deployment, recipes, **kw):
+    """The tree over exactly these recipes (no KV-cache variants): the ordering rules below are written against them."""
+    return recommend(s, deployment, recipes, combine_kv=False, **kw)
+
+
 def dep(gpu, **kw):
     return Deployment(gpu=get_gpu(gpu), **kw)
 
@@ -34,7 +39,7 @@ def check_reasons(d):
 def test_27b_on_one_a100_80g_takes_int8_weights_not_fp8():
     s = shape("gemma-2-27b")
     deployment = dep("a100-80g", context=4096, concurrency=8)
-    d = recommend(s, deployment, pinned())
+    d = pick(s, deployment, pinned())
     check_reasons(d)
     assert d.chosen == "w8a16"
     by = {c.name: c for c in d.candidates}
@@ -55,7 +60,7 @@ def test_27b_on_one_a100_80g_takes_int8_weights_not_fp8():
 def test_70b_on_two_h100_takes_fp8():
     s = shape("llama-3.1-70b")
     deployment = dep("h100-80g", tp=2, context=8192, concurrency=16)
-    d = recommend(s, deployment, pinned())
+    d = pick(s, deployment, pinned())
     check_reasons(d)
     assert d.chosen == "fp8-dynamic"
     assert not d.baseline.fits  # 141 GB of bf16 weights do not fit in 2 x 72 GB
@@ -65,7 +70,7 @@ def test_70b_on_two_h100_takes_fp8():
     k = RecipeClass.of(recommend(s, deployment).recipe)
     assert (k.weight_bits, k.fp8, k.kv8) == (8, True, False)
     # on one H100 the 8-bit weights alone exceed the budget: only 4 bits fit (at a lighter load)
-    one = recommend(s, dep("h100-80g", tp=1, context=8192, concurrency=4), pinned())
+    one = pick(s, dep("h100-80g", tp=1, context=8192, concurrency=4), pinned())
     assert RecipeClass.of(one.recipe).weight_bits == 4
 
 
@@ -73,17 +78,17 @@ def test_70b_on_two_h100_takes_fp8():
 
 def test_72b_multimodal_on_one_h100_needs_int4_and_says_it_is_risky():
     s = shape("qwen2.5-vl-72b")
-    d = recommend(s, dep("h100-80g", context=4096, concurrency=4), pinned())
+    d = pick(s, dep("h100-80g", context=4096, concurrency=4), pinned())
     check_reasons(d)
     assert d.chosen == "w4a16"
     for c in d.candidates:
         if c.name != "w4a16":
             assert c.status == "no-fit" and c.reason.startswith("does not fit")
     assert any("risky for math/code" in w for w in d.warnings)
-    code = recommend(s, dep("h100-80g", context=4096, concurrency=4), pinned(), workload="code")
+    code = pick(s, dep("h100-80g", context=4096, concurrency=4), pinned(), workload="code")
     assert any("--workload code" in w and "--tp 2" in w for w in code.warnings)
     # on an H200 the same model fits at 8 bits, so INT4 is passed over
-    h200 = recommend(s, dep("h200", context=4096, concurrency=4), pinned())
+    h200 = pick(s, dep("h200", context=4096, concurrency=4), pinned())
     assert RecipeClass.of(h200.recipe).weight_bits == 8 and not h200.warnings
 
 
@@ -94,8 +99,11 @@ def test_nothing_fits_names_the_smallest_and_its_need():
     assert d.chosen is None and d.recipe is None
     check_reasons(d)
     assert d.reason.startswith("nothing fits")
-    # fp8 recipes cannot run on a T4; of the rest the 8-bit-KV recipe is smallest at 32K x 8
-    assert "int8-kv8" in d.reason and "GB per GPU" in d.reason
+    # fp8 recipes cannot run on a T4; of the rest INT4 weights with an (INT8, no FP8 on a T4) 8-bit KV cache is smallest
+    assert "the smallest, w4a16+kv8," in d.reason and "GB per GPU" in d.reason
+    assert next(c for c in d.candidates if c.name == "w4a16+kv8").recipe.kv_cache.type == "int"
+    only = pick(shape("llama-3.1-70b"), dep("t4", context=32768, concurrency=8), pinned())
+    assert "the smallest, int8-kv8," in only.reason  # without the combinations: the shipped 8-bit-KV recipe
 
 
 # --- Ordering rules --------------------------------------------------------------------------------
@@ -104,7 +112,7 @@ def test_a_calibrated_recipe_ranks_above_rtn_in_the_same_class():
     recipes = pinned()
     recipes["w4a16-gptq"] = parse_recipe({"name": "w4a16-gptq", "algorithm": ["gptq"],
                                           "weights": {"num_bits": 4, "strategy": "group", "group_size": 128}})
-    d = recommend(shape("qwen2.5-vl-72b"), dep("h100-80g", context=4096, concurrency=4), recipes)
+    d = pick(shape("qwen2.5-vl-72b"), dep("h100-80g", context=4096, concurrency=4), recipes)
     assert d.chosen == "w4a16-gptq"
     assert "calibrates (gptq)" in next(c for c in d.candidates if c.name == "w4a16").reason
 
@@ -113,15 +121,15 @@ def test_symmetric_ranks_above_asymmetric_when_both_calibrate():
     w4 = {"num_bits": 4, "strategy": "group", "group_size": 128}
     recipes = {"w4-awq": parse_recipe({"name": "w4-awq", "algorithm": ["awq"], "weights": {**w4, "symmetric": False}}),
                "w4-gptq": parse_recipe({"name": "w4-gptq", "algorithm": ["gptq"], "weights": w4})}
-    d = recommend(shape("qwen2.5-vl-72b"), dep("h100-80g", context=4096, concurrency=4), recipes)
+    d = pick(shape("qwen2.5-vl-72b"), dep("h100-80g", context=4096, concurrency=4), recipes)
     assert d.chosen == "w4-gptq"
     assert "no zero points" in next(c for c in d.candidates if c.name == "w4-awq").reason
 
 
 def test_headroom_threshold_moves_the_choice():
     s = shape("gemma-2-27b")
-    strict = recommend(s, dep("a100-80g", context=8192, concurrency=8), pinned(), min_headroom=0.5)
-    loose = recommend(s, dep("a100-80g", context=8192, concurrency=8), pinned(), min_headroom=0.0)
+    strict = pick(s, dep("a100-80g", context=8192, concurrency=8), pinned(), min_headroom=0.5)
+    loose = pick(s, dep("a100-80g", context=8192, concurrency=8), pinned(), min_headroom=0.0)
     assert RecipeClass.of(strict.recipe).weight_bits == 4
     assert loose.chosen == "w8a16"
     assert any(c.status == "tight" and "headroom" in c.reason for c in strict.candidates)
@@ -129,7 +137,7 @@ def test_headroom_threshold_moves_the_choice():
 
 def test_broken_recipe_is_reported_not_fatal():
     recipes = {**pinned(), "broken": UsageError("broken.yaml: unknown key 'wieghts'")}
-    d = recommend(shape("llama-3-8b"), dep("h100-80g"), recipes)
+    d = pick(shape("llama-3-8b"), dep("h100-80g"), recipes)
     broken = next(c for c in d.candidates if c.name == "broken")
     assert broken.status == "error" and "wieghts" in broken.reason
     assert d.chosen == "fp8-dynamic"

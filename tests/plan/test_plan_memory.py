@@ -37,8 +37,8 @@ def test_kv_example_28_layers_8_kv_heads_head_dim_128_bf16():
     assert kv_bytes_per_request(s, 32768, 2) == 3_758_096_384  # ≈ 3.76 GB at 32K
     w = weight_bytes(s)
     m = plan_memory(s, w, mem_bytes=200 * 10**9, kv_bytes=2, context=32768, concurrency=8)
-    assert m.kv_total == 30_064_771_072  # ≈ 30 GB for 8 requests at 32K
-    assert [round(x / 1e9, 2) for x in (469_762_048, 3_758_096_384, m.kv_total)] == [0.47, 3.76, 30.06]
+    assert m.kv_total_per_gpu == 30_064_771_072  # ≈ 30 GB for 8 requests at 32K
+    assert [round(x / 1e9, 2) for x in (469_762_048, 3_758_096_384, m.kv_total_per_gpu)] == [0.47, 3.76, 30.06]
 
 
 def test_kv_dtype_comes_from_the_recipe():
@@ -254,9 +254,9 @@ def test_budget_is_memory_times_watermark_and_needed_adds_up():
     s = shape("llama-3-8b")
     m = _plan(s, utilization=0.5)
     assert m.budget == 40 * GIB
-    assert m.needed == m.weights + m.kv_total + m.activations + m.overhead
+    assert m.needed == m.weights + m.kv_total_per_gpu + m.activations + m.overhead
     assert m.headroom == m.budget - m.needed and m.fits
-    assert m.kv_total == 8 * kv_bytes_per_request(s, 4096, 2)
+    assert m.kv_total_per_gpu == 8 * kv_bytes_per_request(s, 4096, 2)
     assert _plan(s, tp=2).weights == math.ceil(weight_bytes(s).total / 2)
 
 

@@ -1,0 +1,132 @@
+"""Sanity checks on a config.json dict before anything is built from it: sizes that are positive integers
+within what any real model uses, and mutually consistent; and the tensor-parallel sizes a model's heads allow.
+
+Plain dict code (no transformers, no torch), so `qtk plan` and `qtk convert` refuse a hostile or broken config
+in microseconds instead of building millions of layers from it.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from qtk.errors import UsageError
+
+# Ceilings far above every published model (the largest use ~130 layers, hidden 25k, 262k-token vocabularies,
+# 384 experts), low enough that nothing sized by them can exhaust a machine's memory or time.
+MAX_LAYERS = 4096
+MAX_HIDDEN = 1 << 17
+MAX_HEADS = 1 << 14
+MAX_HEAD_DIM = 1 << 12
+MAX_VOCAB = 1 << 22
+MAX_INTERMEDIATE = 1 << 20
+MAX_EXPERTS = 1 << 14
+MAX_POSITIONS = 1 << 30
+MAX_PARAMS = 10**14  # ~50x the largest published model
+
+# key -> (ceiling, smallest allowed value): 1 for sizes every model has, 0 for counts that may be absent (0 = none)
+TEXT_SIZES: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (MAX_LAYERS, 1), "n_layer": (MAX_LAYERS, 1), "num_layers": (MAX_LAYERS, 1),
+    "hidden_size": (MAX_HIDDEN, 1), "n_embd": (MAX_HIDDEN, 1), "d_model": (MAX_HIDDEN, 1),
+    "num_attention_heads": (MAX_HEADS, 1), "n_head": (MAX_HEADS, 1), "num_key_value_heads": (MAX_HEADS, 1),
+    "head_dim": (MAX_HEAD_DIM, 1),
+    "vocab_size": (MAX_VOCAB, 1),
+    "intermediate_size": (MAX_INTERMEDIATE, 1), "moe_intermediate_size": (MAX_INTERMEDIATE, 1),
+    "shared_expert_intermediate_size": (MAX_INTERMEDIATE, 0),
+    "num_local_experts": (MAX_EXPERTS, 0), "num_experts": (MAX_EXPERTS, 0), "n_routed_experts": (MAX_EXPERTS, 0),
+    "num_experts_per_tok": (MAX_EXPERTS, 0), "n_shared_experts": (MAX_EXPERTS, 0),
+    "max_position_embeddings": (MAX_POSITIONS, 1), "sliding_window": (MAX_POSITIONS, 0),
+    "kv_lora_rank": (MAX_HIDDEN, 0), "q_lora_rank": (MAX_HIDDEN, 0),
+    "qk_rope_head_dim": (MAX_HEAD_DIM, 0), "qk_nope_head_dim": (MAX_HEAD_DIM, 0), "v_head_dim": (MAX_HEAD_DIM, 0),
+    # which layers are dense / sparse / sliding: indices and strides, never more than the layer count
+    "first_k_dense_replace": (MAX_LAYERS, 0), "moe_layer_freq": (MAX_LAYERS, 0), "decoder_sparse_step": (MAX_LAYERS, 0),
+    "sliding_window_pattern": (MAX_LAYERS, 0), "max_window_layers": (MAX_LAYERS, 0),
+}
+VISION_SIZES: dict[str, tuple[int, int]] = {
+    "hidden_size": (MAX_HIDDEN, 1), "embed_dim": (MAX_HIDDEN, 1), "depth": (MAX_LAYERS, 1),
+    "num_hidden_layers": (MAX_LAYERS, 1), "intermediate_size": (MAX_INTERMEDIATE, 1),
+    "patch_size": (MAX_HEAD_DIM, 1), "temporal_patch_size": (MAX_HEAD_DIM, 1), "spatial_merge_size": (MAX_HEAD_DIM, 1),
+    "in_channels": (MAX_HEAD_DIM, 1), "num_channels": (MAX_HEAD_DIM, 1), "out_hidden_size": (MAX_HIDDEN, 1),
+}
+FIX = "restore the model's original config.json"
+
+
+def _show(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 24 else (f"a {len(str(abs(v)))}-digit number" if isinstance(v, int) else s[:20] + "…")
+
+
+def _first(d: Mapping, *keys):
+    return next((d[k] for k in keys if d.get(k) is not None), None)
+
+
+def text_config(cfg: Mapping) -> dict:
+    """The language model's keys: a multimodal config's text_config over its top-level keys (as transformers reads them)."""
+    if isinstance(cfg.get("text_config"), Mapping):
+        return {**{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}, **cfg["text_config"]}
+    return dict(cfg)
+
+
+def _check_sizes(d: Mapping, sizes: Mapping[str, tuple[int, int]], where: str) -> None:
+    for key, (ceiling, least) in sizes.items():
+        v = d.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise UsageError(f"{where}: {key} is {_show(v)}, not a whole number", FIX)
+        if v < least:
+            raise UsageError(f"{where}: {key} is {v}; it must be {'positive' if least else '>= 0'}", FIX)
+        if v > ceiling:
+            raise UsageError(f"{where}: {key} is {_show(v)}, far more than any real model (at most {ceiling:,} accepted)", FIX)
+
+
+def check_config_sizes(cfg: Mapping, where: str = "config.json") -> None:
+    """Refuse (UsageError, exit 2) a config whose sizes are not positive integers, exceed any real model, or
+    contradict each other. Only keys that are present are checked; a missing key is the caller's concern."""
+    if not isinstance(cfg, Mapping):
+        raise UsageError(f"{where} holds a {type(cfg).__name__}, not a JSON object", FIX)
+    for sub in ("text_config", "vision_config"):
+        if cfg.get(sub) is not None and not isinstance(cfg[sub], Mapping):
+            raise UsageError(f"{where}: {sub} is {_show(cfg[sub])}, not an object", FIX)
+    t = text_config(cfg)
+    _check_sizes(t, TEXT_SIZES, where)
+    if isinstance(cfg.get("vision_config"), Mapping):
+        _check_sizes(cfg["vision_config"], VISION_SIZES, f"{where}: vision_config")
+
+    hidden = _first(t, "hidden_size", "n_embd", "d_model")
+    heads = _first(t, "num_attention_heads", "n_head")
+    kv_heads = t.get("num_key_value_heads")
+    if hidden and heads and t.get("head_dim") is None and not t.get("kv_lora_rank") and hidden % heads:
+        raise UsageError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and no head_dim is given)", FIX)
+    if heads and kv_heads and (kv_heads > heads or heads % kv_heads):
+        raise UsageError(f"{where}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}", FIX)
+    experts = _first(t, "num_local_experts", "num_experts", "n_routed_experts") or 0
+    top_k = t.get("num_experts_per_tok") or 0
+    if top_k > experts > 0:
+        raise UsageError(f"{where}: num_experts_per_tok {top_k} exceeds the {experts} experts", FIX)
+    layers = _first(t, "num_hidden_layers", "n_layer", "num_layers")
+    if layers and hidden:
+        inter = max(t.get("intermediate_size") or 4 * hidden, (t.get("moe_intermediate_size") or 0) * experts)
+        params = layers * hidden * (4 * hidden + 3 * inter) + 2 * (t.get("vocab_size") or 0) * hidden
+        if params > MAX_PARAMS:
+            raise UsageError(f"{where}: {layers} layers of hidden size {hidden} (intermediate {inter}) make about "
+                             f"{params / 1e12:,.0f}T parameters, far more than any real model", FIX)
+
+
+def tp_divisors(n: int, candidates=(1, 2, 4, 8)) -> list[int]:
+    return [d for d in candidates if n % d == 0]
+
+
+def check_tensor_parallel(tp: int, heads: int, kv_heads: int, intermediate: int | None = None) -> None:
+    """Refuse a tensor-parallel size the engines cannot split the model over (vLLM and TensorRT-LLM alike): every
+    rank gets a whole number of attention heads, the KV heads are split evenly or each copied to tp/kv ranks,
+    and the MLP width splits evenly."""
+    def refuse(what: str, n: int):
+        raise UsageError(f"--tp {tp} does not divide {what} ({n})", f"use --tp {' or '.join(map(str, tp_divisors(n)))}")
+
+    if heads % tp:
+        refuse("the attention heads", heads)
+    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
+        raise UsageError(f"--tp {tp} cannot share the {kv_heads} KV heads evenly (split them, or copy each to tp/kv ranks)",
+                         f"use a --tp that divides {kv_heads} or is a multiple of it")
+    if intermediate is not None and intermediate % tp:
+        refuse("intermediate_size", intermediate)
