@@ -29,7 +29,7 @@ def check_paths(source: Path, out: Path, targets) -> None:
     source model (symlinks resolved): --overwrite would delete the model, --resume could remove it as stale state."""
     src = Path(source).resolve()
     out_abs = Path(out).resolve()
-    fix = "write the output somewhere else (qtk never modifies its input)"
+    fix = "write the output somewhere else; qtk never modifies its input"
     if out_abs == src or src in out_abs.parents:
         raise UsageError(f"output {out} is inside the model directory", fix)
     for p in [Path(out) / t for t in targets] + [Path(out) / STATE_DIR]:

@@ -28,10 +28,10 @@ def _size(cfg: Mapping, key: str, where: str, least: int = 1) -> int | None:
     if v is None:
         return None
     kind = "a positive" if least else "a non-negative"
-    if isinstance(v, bool) or not isinstance(v, int):
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
         raise UsageError(f"{where}: {key} must be {kind} integer (got {_short(v)})", FIX)
-    if not least <= v <= LIMIT:
-        raise UsageError(f"{where}: {key} must be {kind} integer below 2^31 (got {_short(v)})", FIX)
+    if v > LIMIT:
+        raise UsageError(f"{where}: {key} {_short(v)} is not a plausible size (at most 2^31 - 1)", FIX)
     return v
 
 
