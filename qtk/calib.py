@@ -1,40 +1,173 @@
 """Calibration data: texts from the shipped corpus, a local file or dataset directory, or a Hugging Face
-dataset id, cut into deterministic token windows [num_samples, seq_len]."""
+dataset id, cut into deterministic token windows [num_samples, seq_len].
+
+.jsonl and .txt files are indexed, not loaded: a text is read from disk when the sampler reaches it, and a long
+one is tokenized piece by piece only as far as the windows need, so a file of any size (one 100 MB line
+included) costs memory for what is sampled, not for what is there.
+"""
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
 import random
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from qtk.errors import UsageError
 
 log = logging.getLogger(__name__)
 
-# chat=: renders one conversation (a list of {"role", "content"} turns) as text; `where` names it in errors
+# chat=: a ChatTemplate, which renders one conversation (a list of {"role", "content"} turns) as text and checks
+# one without rendering it (.check); `where` names it in errors
 ChatRenderer = Callable[[list, str], str]
 
 # package data (qtk/data/calib), so a wheel install has it too
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "calib" / "default.jsonl"
+MAX_ROW_BYTES = 16 * 2**20  # a .jsonl row is parsed whole; no calibration needs a single row larger than this
+PIECE_CHARS = 100_000  # texts longer than this are tokenized in pieces (a tokenizer holds ~400 bytes per token)
+_BLOCK = 1 << 20  # characters per read while indexing a .txt file
 
 
-def _field(rows, field: str, origin: str, chat: ChatRenderer | None = None) -> list[str]:
-    out = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict) or field not in row:
-            keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-            raise UsageError(f"{origin}: row {i} has no '{field}' field (it has: {keys})", "pass --text-field NAME")
-        v = row[field]
-        if isinstance(v, list) and chat is not None:
-            v = chat(v, f"{origin}: row {i} field '{field}'")
-        if not isinstance(v, str):
-            raise UsageError(f"{origin}: row {i} field '{field}' is {type(v).__name__}, not text", "pass --text-field naming a text column")
-        if v.strip():
-            out.append(v)
-    return out
+def _row_text(row, i: int, field: str, origin: str, chat: ChatRenderer | None = None, render: bool = True) -> str:
+    """The text of row i; a field holding chat turns is rendered by `chat` (a ChatTemplate). render=False (while
+    indexing): the conversation is only checked; it is rendered when the sampler reads the row."""
+    if not isinstance(row, dict) or field not in row:
+        keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+        raise UsageError(f"{origin}: row {i} has no '{field}' field (it has: {keys})", "pass --text-field NAME")
+    v = row[field]
+    if isinstance(v, list) and chat is not None:
+        if not render:  # indexing: refuse what cannot be rendered now; render when the sampler reads the row
+            chat.check(v, f"{origin}: row {i} field '{field}'")
+            return "turns"
+        v = chat(v, f"{origin}: row {i} field '{field}'")
+    if not isinstance(v, str):
+        raise UsageError(f"{origin}: row {i} field '{field}' is {type(v).__name__}, not text", "pass --text-field naming a text column")
+    return v
+
+
+def _not_utf8(p: Path, at: int) -> UsageError:
+    return UsageError(f"{p.name} is not UTF-8 text (byte {at})", "re-save the file as UTF-8")
+
+
+class TextFile(Sequence):
+    """The non-blank texts of a .jsonl file (one JSON object per line, `field` holding the text) or a .txt file
+    (texts separated by blank lines), indexed by position once and read back from disk on demand."""
+
+    def __init__(self, path: Path, field: str = "text", chat: ChatRenderer | None = None):
+        self.path, self.field, self.chat = Path(path), field, chat
+        self._starts, self._ends = array("q"), array("q")  # bytes (.jsonl) or characters (.txt) of each text
+        self._blocks, self._cookies = array("q"), []  # .txt: character offset and seek cookie of each read block
+        if self.path.suffix == ".jsonl":
+            self._index_jsonl()
+        else:
+            self._index_txt()
+
+    def _index_jsonl(self) -> None:
+        rows = 0
+        with open(self.path, "rb") as f:
+            offset, n = 0, 0
+            while line := f.readline(MAX_ROW_BYTES + 1):
+                n += 1
+                if len(line) > MAX_ROW_BYTES:
+                    raise UsageError(f"{self.path.name}: line {n} is longer than {MAX_ROW_BYTES // 2**20} MiB",
+                                     "split long texts into several rows")
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise _not_utf8(self.path, offset + e.start) from None
+                if text.strip():
+                    try:
+                        row = json.loads(text)
+                    except json.JSONDecodeError:
+                        raise UsageError(f"{self.path.name}: line {n} is not valid JSON", "write one JSON object per line") from None
+                    if _row_text(row, rows, self.field, self.path.name, self.chat, render=False).strip():
+                        self._starts.append(offset)
+                        self._ends.append(offset + len(line))
+                    rows += 1
+                offset += len(line)
+
+    def _index_txt(self) -> None:
+        """Texts are what str.split("\n\n") gives on the file read with universal newlines; found block by block."""
+        sep = "\n\n"
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                base, buf, start, blank = 0, "", 0, True  # base: character offset of buf[0]
+                while True:
+                    self._blocks.append(base + len(buf))
+                    self._cookies.append(f.tell())
+                    block = f.read(_BLOCK)
+                    if not block:
+                        break
+                    buf += block
+                    i = 0
+                    while (k := buf.find(sep, i)) != -1:
+                        self._add(start, base + k, blank and not buf[i:k].strip())
+                        start, blank, i = base + k + len(sep), True, k + len(sep)
+                    keep = max(i, len(buf) - len(sep) + 1)  # a separator may straddle two blocks
+                    blank = blank and not buf[i:keep].strip()
+                    base, buf = base + keep, buf[keep:]
+                self._add(start, base + len(buf), blank and not buf.strip())
+        except UnicodeDecodeError:
+            raise _not_utf8(self.path, _first_bad_byte(self.path)) from None
+
+    def _add(self, start: int, end: int, blank: bool) -> None:
+        if not blank:
+            self._starts.append(start)
+            self._ends.append(end)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return "".join(self.pieces(i, _BLOCK))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, TextFile)) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def pieces(self, i: int, size: int) -> Iterator[str]:
+        """Text i in consecutive pieces of at most `size` characters, read from disk as they are asked for."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        start, end = self._starts[i], self._ends[i]
+        if self.path.suffix == ".jsonl":
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                text = _row_text(json.loads(f.read(end - start)), i, self.field, self.path.name, self.chat)
+            for k in range(0, len(text), size):
+                yield text[k: k + size]
+            return
+        b = bisect.bisect_right(self._blocks, start) - 1
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._cookies[b])
+            skip = start - self._blocks[b]
+            while skip > 0:
+                skip -= len(f.read(min(skip, _BLOCK)))
+            left = end - start
+            while left > 0 and (piece := f.read(min(left, size))):
+                left -= len(piece)
+                yield piece
+
+
+def _first_bad_byte(p: Path) -> int:
+    import codecs
+
+    dec, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(p, "rb") as f:
+        while block := f.read(_BLOCK):
+            pending = len(dec.getstate()[0])
+            try:
+                dec.decode(block)
+            except UnicodeDecodeError as e:
+                return offset - pending + e.start
+            offset += len(block)
+    return offset
 
 
 def load_texts(spec: str, text_field: str = "text", split: str | None = None, chat: ChatRenderer | None = None) -> list[str]:
@@ -46,21 +179,10 @@ def load_texts(spec: str, text_field: str = "text", split: str | None = None, ch
     if spec in ("default", "", None):
         spec = str(DEFAULT_CORPUS)
     p = Path(spec)
-    if p.suffix == ".jsonl":
+    if p.suffix in (".jsonl", ".txt"):
         if not p.is_file():
             raise UsageError(f"calibration file {p} does not exist", "give an existing .jsonl/.txt/.parquet file or a dataset id")
-        rows = []
-        for n, line in enumerate(_read_text(p).splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise UsageError(f"{p.name}: line {n} is not valid JSON", "write one JSON object per line") from None
-        texts = _field(rows, text_field, p.name, chat)
-    elif p.suffix == ".txt":
-        if not p.is_file():
-            raise UsageError(f"calibration file {p} does not exist", "give an existing .jsonl/.txt/.parquet file or a dataset id")
-        texts = [t for t in _read_text(p).split("\n\n") if t.strip()]
+        texts = TextFile(p, text_field, chat)
     elif p.suffix == ".parquet":
         if not p.is_file():
             raise UsageError(f"calibration file {p} does not exist", "give an existing .jsonl/.txt/.parquet file or a dataset id")
@@ -88,13 +210,6 @@ def load_texts(spec: str, text_field: str = "text", split: str | None = None, ch
     if not texts:
         raise UsageError(f"calibration data {spec} holds no text", "give a file or dataset with non-empty text")
     return texts
-
-
-def _read_text(p: Path) -> str:
-    try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{p.name} is not UTF-8 text (byte {e.start})", "re-save the file as UTF-8") from None
 
 
 def _load_dataset(spec: str, text_field: str, split: str | None, chat: ChatRenderer | None = None) -> list[str]:
@@ -160,15 +275,20 @@ class ChatTemplate:
             self._tokenizer = self._load()
         return self._tokenizer
 
-    def __call__(self, turns: list, where: str) -> str:
+    def check(self, turns: list, where: str) -> str:
+        """Refuse what cannot be rendered (not a conversation, no chat template); returns the template."""
         if not turns or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in turns):
             raise UsageError(f"{where} is a list but not a conversation (a list of {{'role': ..., 'content': ...}} turns)",
                              "pass --text-field naming a text field or a list of chat turns")
-        tok = self.tokenizer
-        template = getattr(tok, "chat_template", None)
+        template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise UsageError(f"{where} holds chat turns, but the model's tokenizer has no chat template to render them",
                              "calibrate on a plain text field (--text-field NAME), or add the model's chat template to its directory")
+        return template
+
+    def __call__(self, turns: list, where: str) -> str:
+        template = self.check(turns, where)
+        tok = self.tokenizer
         try:
             text = tok.apply_chat_template(turns, tokenize=False)
         except Exception as e:  # jinja2 TemplateError and friends: the template's own checks (e.g. alternating roles)
@@ -206,8 +326,25 @@ def warn_if_windows_overlap(available: int, num_samples: int, seq_len: int) -> f
     return ratio
 
 
-def calibration_ids(tokenizer, texts: list[str], num_samples: int, seq_len: int, seed: int):
-    """[num_samples, seq_len] token windows drawn at seeded random offsets from the shuffled, joined corpus."""
+def _pieces(texts, i: int, size: int) -> Iterator[str]:
+    """Text i in pieces of at most `size` characters, cut after a space or newline where one is near the end
+    (a cut inside a word would tokenize differently); a text of at most `size` characters is one piece."""
+    raw = texts.pieces(i, size) if isinstance(texts, TextFile) else (texts[i][k: k + size] for k in range(0, len(texts[i]), size))
+    buf = ""
+    for piece in raw:
+        buf += piece
+        while len(buf) > size:
+            cut = max(buf.rfind(" ", size // 2, size), buf.rfind("\n", size // 2, size)) + 1 or size
+            yield buf[:cut]
+            buf = buf[cut:]
+    if buf:
+        yield buf
+
+
+def calibration_ids(tokenizer, texts: Sequence[str], num_samples: int, seq_len: int, seed: int):
+    """[num_samples, seq_len] token windows drawn at seeded random offsets from the shuffled, joined corpus.
+    Texts are tokenized in the shuffled order until there are twice the tokens the windows need; a long text only
+    as far as that (in pieces of PIECE_CHARS)."""
     import torch
 
     rng = random.Random(seed)
@@ -217,7 +354,10 @@ def calibration_ids(tokenizer, texts: list[str], num_samples: int, seq_len: int,
     ids: list[int] = []
     sep = tokenizer.eos_token_id
     for i in order:
-        ids.extend(_token_ids(tokenizer, texts[i]))
+        for piece in _pieces(texts, i, PIECE_CHARS):
+            ids.extend(_token_ids(tokenizer, piece))
+            if len(ids) >= 2 * need:
+                break
         if sep is not None:
             ids.append(sep)
         if len(ids) >= 2 * need:

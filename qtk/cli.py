@@ -136,6 +136,8 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
                           max_shard_bytes=_size(max_shard_size), batch_size=batch_size, allow_pickle=allow_pickle,
                           trust_remote_code=trust_remote_code, hash_source=not no_hash, resume=resume,
                           on_stage=rep.stage, on_layer=on_layer)
+    for m in res.messages:
+        click.echo(m, err=True)
     for t, path in res.outputs.items():
         click.echo(f"wrote {t}: {path}")
         for n in res.notes.get(t, []):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,7 +40,7 @@ CATALOGUE = {
     "config-not-object": "config.json is JSON but not an object",
     "config-no-model-type": "config.json has no model_type",
     "model-type-unknown": "unsupported model_type (gpt2)",
-    "config-inconsistent": "config.json that transformers rejects (heads do not divide hidden size)",
+    "config-inconsistent": "config.json whose head counts disagree (3 attention heads, 2 KV heads)",
     "config-wrong-type": "config.json value of the wrong type (num_hidden_layers: \"two\")",
     "already-quantized": "model that is already quantized (quantization_config)",
     "remote-code": "custom code required (auto_map) without --trust-remote-code",
@@ -106,6 +107,28 @@ CATALOGUE = {
     "eval-output-root": "qtk eval given the convert output root (out/, not out/vllm)",
     "eval-baseline-quantized": "qtk eval --baseline that is itself a quantized checkpoint",
     "eval-remote-code": "qtk eval of a model whose config names custom code, without --trust-remote-code",
+    # hardening (issue 16): the source model, reads outside it, foreign code, sizes, the output directory
+    "source-is-target": "the model is OUT/<target> (model p/vllm, -o p --overwrite)",
+    "source-inside-target": "the model is inside OUT/<target> (model p/vllm/mymodel, -o p --overwrite)",
+    "target-inside-source": "OUT/<target> is a link into the model directory",
+    "index-absolute-path": "index weight_map entry with an absolute path",
+    "index-dotdot-path": "index weight_map entry with ../",
+    "side-file-link-outside": "chat_template.jinja is a link to /etc/passwd",
+    "shard-link-to-passwd": "model.safetensors is a link to /etc/passwd (no byte of it is printed)",
+    "pickle-malicious": "--allow-pickle with a pickle that would run code",
+    "pickle-not-torch": "--allow-pickle with a plain (non-torch) pickle",
+    "config-size-negative": "config.json hidden_size -128",
+    "config-size-float": "config.json hidden_size 1e9",
+    "config-size-huge": "config.json num_hidden_layers 10**400",
+    "config-layers-vs-weights": "config.json num_hidden_layers 4000 over a 2-layer checkpoint",
+    "config-sizes-vs-weights": "config.json hidden_size 65536 over a hidden-128 checkpoint",
+    "stray-tensors": "5000 tensors that belong to no module of the model",
+    "calib-row-too-long": "a .jsonl calibration row of 17 MB",
+    "num-samples-memory": "--num-samples 1000000000 (more activations than memory)",
+    "shard-size-zero": "--max-shard-size 0",
+    "output-locked": "-o that another running qtk convert is writing",
+    "disk-full-resume": "disk full while saving resume state (--resume)",
+    "resume-state-damaged": "--resume over a saved layer whose bytes were changed",
 }
 SEEN: dict[str, tuple[int, str]] = {}  # id -> (exit code, message with paths shortened)
 
@@ -189,8 +212,8 @@ def test_config_json_malformed(tmp_path, model, case, text, needle):
 @pytest.mark.parametrize("case,changes,needles", [
     ("config-no-model-type", {"model_type": None}, ("has no model_type", "e.g. 'llama'")),
     ("model-type-unknown", {"model_type": "gpt2"}, ("model_type 'gpt2' is not supported", "supported: ")),
-    ("config-inconsistent", {"num_attention_heads": 3}, ("cannot be read by transformers", "not a multiple of the number of attention heads")),
-    ("config-wrong-type", {"num_hidden_layers": "two"}, ("cannot be read by transformers", "num_hidden_layers")),
+    ("config-inconsistent", {"num_attention_heads": 3}, ("num_key_value_heads 2 does not divide num_attention_heads 3", "restore")),
+    ("config-wrong-type", {"num_hidden_layers": "two"}, ("num_hidden_layers is 'two', not a whole number", "restore")),
     ("already-quantized", {"quantization_config": {"quant_method": "compressed-tensors"}},
      ("already quantized", "compressed-tensors", "original unquantized")),
 ])
@@ -543,6 +566,190 @@ def test_eval_bad_inputs(tmp_path, model):
     code, out = cli("eval", ckpt, "--baseline", model, "--tasks", tasks)
     expect("eval-remote-code", code, out, tmp_path, "the baseline <tmp>/model needs custom code", "(config.json has auto_map)",
            "--trust-remote-code")
+# ---- hardening (issue 16) ----
+
+
+def _intact(model: Path, files: dict[str, bytes]) -> None:
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == files, "the source model was modified"
+
+
+def test_output_never_replaces_the_source(tmp_path, tiny_llama):
+    """--overwrite used to delete the model when OUT/<target> was the model or held it; refused before any work."""
+    p = tmp_path / "p"
+    model = Path(shutil.copytree(tiny_llama, p / "vllm"))
+    files = {f.name: f.read_bytes() for f in model.iterdir()}
+    code, out = cli("convert", model, "--recipe", "w8a16", "-o", p, "--overwrite", "--no-hash")
+    expect("source-is-target", code, out, tmp_path, "output <tmp>/p/vllm is the model directory itself", "somewhere else")
+    _intact(model, files)
+
+    deep = Path(shutil.copytree(tiny_llama, tmp_path / "p2" / "vllm" / "mymodel"))
+    code, out = cli("convert", deep, "--recipe", "w8a16", "-o", tmp_path / "p2", "--overwrite", "--no-hash")
+    expect("source-inside-target", code, out, tmp_path, "output <tmp>/p2/vllm contains the model directory", "somewhere else")
+    _intact(deep, files)
+
+    (tmp_path / "m3" / "sub").mkdir(parents=True)
+    m3 = Path(shutil.copytree(tiny_llama, tmp_path / "m3", dirs_exist_ok=True))
+    (tmp_path / "o3").mkdir()
+    (tmp_path / "o3" / "vllm").symlink_to(m3 / "sub")
+    code, out = cli("convert", m3, "--recipe", "w8a16", "-o", tmp_path / "o3", "--overwrite", "--no-hash")
+    expect("target-inside-source", code, out, tmp_path, "output <tmp>/o3/vllm is inside the model directory", "somewhere else")
+    assert (m3 / "sub").is_dir() and (m3 / "model.safetensors").is_file()
+
+
+def _index_pointing_at(model: Path, where: str) -> None:
+    names = load_file(str(model / "model.safetensors"))
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: where for n in names}}))
+
+
+def test_index_entries_outside_the_model_refused(tmp_path, model):
+    """An index could name any file on the machine; it was loaded (rc 0)."""
+    elsewhere = Path(shutil.copy(model / "model.safetensors", tmp_path / "elsewhere.safetensors"))
+    _index_pointing_at(model, str(elsewhere))
+    code, out = convert(tmp_path, model)
+    expect("index-absolute-path", code, out, tmp_path, "names a shard outside the model directory", "<tmp>/elsewhere.safetensors")
+    _index_pointing_at(model, "../elsewhere.safetensors")
+    code, out = convert(tmp_path, model)
+    expect("index-dotdot-path", code, out, tmp_path, "names a shard outside the model directory ('../elsewhere.safetensors')")
+
+
+def test_linked_files_outside_the_model(tmp_path, model):
+    (model / "chat_template.jinja").symlink_to("/etc/passwd")
+    code, out = convert(tmp_path, model)
+    expect("side-file-link-outside", code, out, tmp_path, "chat_template.jinja in model is a link to a file outside", "copy of the file")
+    (model / "chat_template.jinja").unlink()
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").symlink_to("/etc/passwd")
+    code, out = convert(tmp_path, model)
+    expect("shard-link-to-passwd", code, out, tmp_path, "model.safetensors is not a readable safetensors file", "re-download")
+    head = Path("/etc/passwd").read_bytes()[:8]
+    leaked = [str(int.from_bytes(head, "little")), head.decode(errors="replace").strip()]
+    assert not any(x and x in out for x in leaked), out  # the message used to print the first 8 bytes as an integer
+
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):  # unpickling this calls open(marker, "w"): the marker appears if the pickle ran
+        return (open, (str(self.marker), "w"))
+
+
+def test_malicious_pickle_is_never_run(tmp_path, model):
+    import pickle
+
+    marker = tmp_path / "pwned"
+    (model / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": _RunsCode(marker)}, model / "pytorch_model.bin")
+    code, out = convert(tmp_path, model, "--allow-pickle")
+    expect("pickle-malicious", code, out, tmp_path, "pytorch_model.bin holds objects other than tensors", "was not loaded", "safetensors")
+    assert not marker.exists()
+    with open(model / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"x": _RunsCode(marker)}, f)
+    code, out = convert(tmp_path, model, "--allow-pickle")
+    expect("pickle-not-torch", code, out, tmp_path, "pytorch_model.bin", "was not loaded")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("case,changes,needles", [
+    ("config-size-negative", {"hidden_size": -128}, ("hidden_size is -128; it must be positive",)),
+    ("config-size-float", {"hidden_size": 1e9}, ("hidden_size is 1000000000.0, not a whole number",)),
+    ("config-size-huge", {"num_hidden_layers": 10**400}, ("num_hidden_layers is a 401-digit number", "far more than any real model")),
+    ("config-layers-vs-weights", {"num_hidden_layers": 4000}, ("num_hidden_layers 4000 needs at least 4000 tensors",
+                                                                      "does not belong to these weights")),
+    ("config-sizes-vs-weights", {"hidden_size": 65536}, ("describes at least", "hidden_size 65536", "the weight files hold 0.6 MB")),
+])
+def test_config_sizes(tmp_path, model, case, changes, needles):
+    """Sizes are checked on config.json itself, against the weights on disk, before anything is built from them."""
+    edit_config(model, **changes)
+    code, out = convert(tmp_path, model)
+    expect(case, code, out, tmp_path, *needles, "restore the model's original config.json")
+
+
+def test_stray_tensors_refused(tmp_path, model):
+    """Tensors that belong to no module were copied into the output; 1.35 M of them made an unreadable header."""
+    def add_junk(sd):
+        sd.update({f"junk.{i}": torch.zeros(1) for i in range(5000)})
+    edit_weights(model, add_junk)
+    code, out = convert(tmp_path, model)
+    expect("stray-tensors", code, out, tmp_path, "5000 tensor(s) in model belong to no module of the llama model", "junk.",
+           "config.json belongs to these weights")
+
+
+def test_calibration_row_too_long(tmp_path, tiny_llama):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps({"text": "word " * (17 * 2**20 // 5)}) + "\n")
+    code, out = convert(tmp_path, tiny_llama, "--calib", p, recipe="int8-kv8")
+    expect("calib-row-too-long", code, out, tmp_path, "c.jsonl: line 1 is longer than 16 MiB", "split long texts")
+
+
+def test_sizes_of_options(tmp_path, tiny_llama, calib_file):
+    code, out = convert(tmp_path, tiny_llama, "--calib", calib_file, "--num-samples", "1000000000", recipe="int8-kv8")
+    expect("num-samples-memory", code, out, tmp_path, "--num-samples 1000000000 x --seq-len", "GiB available", "at most about")
+    SEEN["num-samples-memory"] = (code, re.sub(r"\d+(\.\d+)? GiB available", "<n> GiB available",
+                                               re.sub(r"at most about \d+", "at most about <n>", SEEN["num-samples-memory"][1])))
+    code, out = convert(tmp_path, tiny_llama, "--max-shard-size", "0")
+    expect("shard-size-zero", code, out, tmp_path, "--max-shard-size must be positive (got 0 bytes)")
+
+
+def test_racing_conversion_refused(tmp_path, tiny_llama):
+    """Two runs on one -o both reported success and one result was silently lost: the second now stops at once."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    first = subprocess.Popen([sys.executable, "-c", DRIVER, "convert", str(tiny_llama), "--recipe", "w8a16",
+                              "-o", str(tmp_path / "out"), "--no-hash"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    timer = threading.Timer(120, first.kill)
+    timer.start()
+    try:
+        assert first.stdout.readline().strip() == "quantizing layer 1"
+        code, out = cli("convert", tiny_llama, "--recipe", "w8a16", "-o", tmp_path / "out", "--no-hash", "--overwrite")
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
+    finally:
+        timer.cancel()
+    expect("output-locked", code, out, tmp_path, f"qtk (PID {first.pid}) is writing to <tmp>/out", "wait for it to finish")
+    SEEN["output-locked"] = (code, SEEN["output-locked"][1].replace(str(first.pid), "<pid>"))
+    assert leftovers(tmp_path / "out") == []  # the first one's Ctrl-C cleanup, untouched by the second
+
+
+def test_disk_full_with_resume(tmp_path, tiny_llama, calib_file, monkeypatch):
+    import qtk.resume
+
+    calls = []
+
+    def fault(step):
+        calls.append(step)
+        if step == "resume: write layer tensors" and calls.count(step) == 2:  # layer 0 is saved, then the disk fills
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(qtk.resume, "fault_point", fault)
+    args = ("convert", tiny_llama, "--recipe", "int8-kv8", "-o", tmp_path / "out", "--calib", calib_file, "--num-samples", "4",
+            "--seq-len", "32", "--no-hash", "--resume")
+    code, out = cli(*args)
+    expect("disk-full-resume", code, out, tmp_path, "no space left on the device", "finished layers are kept in <tmp>/out/.qtk-resume",
+           "rerun the same command with --resume")
+    assert leftovers(tmp_path / "out") == [".qtk-resume"]
+    monkeypatch.setattr(qtk.resume, "fault_point", lambda step: None)
+    code, out = cli(*args)
+    assert code == 0 and "resumed at layer 1 of 2" in out, out
+
+
+def test_damaged_resume_state_refused(tmp_path, tiny_llama, calib_file, monkeypatch):
+    import qtk.resume
+
+    def crash(step):
+        if step == "resume: create layer directory" and (tmp_path / "out" / ".qtk-resume" / "layer-00000").is_dir():
+            raise KeyboardInterrupt
+    monkeypatch.setattr(qtk.resume, "fault_point", crash)
+    args = ("convert", tiny_llama, "--recipe", "int8-kv8", "-o", tmp_path / "out", "--calib", calib_file, "--num-samples", "4",
+            "--seq-len", "32", "--no-hash", "--resume")
+    assert cli(*args)[0] == 130
+    monkeypatch.setattr(qtk.resume, "fault_point", lambda step: None)
+    saved = tmp_path / "out" / ".qtk-resume" / "layer-00000" / "tensors.safetensors"
+    data = bytearray(saved.read_bytes())
+    data[-1] ^= 1  # one flipped bit in a weight
+    saved.write_bytes(bytes(data))
+    code, out = cli(*args)
+    expect("resume-state-damaged", code, out, tmp_path, "resume state in <tmp>/out/.qtk-resume is damaged",
+           "layer-00000/tensors.safetensors does not match its manifest", "delete <tmp>/out/.qtk-resume")
 
 
 # ---- docs/errors.md ----

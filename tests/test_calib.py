@@ -168,3 +168,30 @@ def test_split_of_a_folder_of_data_files(tmp_path):
     assert load_texts(str(d), split="validation") == TEXTS[10:13]
     with pytest.raises(UsageError, match="has no split 'test'"):
         load_texts(str(d), split="test")
+
+
+def test_indexed_files_read_like_whole_files(tmp_path, monkeypatch):
+    """.txt and .jsonl files are indexed block by block and read back on demand; whatever the block boundaries,
+    the texts are exactly those of reading the whole file (str.split on blank lines after universal newlines;
+    one JSON row per line), and long texts come back in pieces that join to the text."""
+    import json
+    import random
+
+    import qtk.calib as calib
+
+    rng = random.Random(0)
+    alphabet = ["a", "b", " ", "\n", "\r", "\r\n", "é", "\u3000", "\t", "\u2028"]
+    for trial in range(400):
+        monkeypatch.setattr(calib, "_BLOCK", rng.choice([1, 2, 3, 5, 64]))
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        p = tmp_path / "c.txt"
+        p.write_bytes(text.encode())
+        want = [t for t in p.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+        got = calib.TextFile(p)
+        assert got == want and len(got) == len(want), repr(text)
+        assert all("".join(calib._pieces(got, i, 4)) == want[i] for i in range(len(want)))
+        assert [list(calib._pieces(got, i, 4)) for i in range(len(got))] == [list(calib._pieces(want, i, 4)) for i in range(len(want))]
+        rows = [{"text": t} for t in want] + [{"text": " "}]
+        q = tmp_path / "c.jsonl"
+        q.write_text("".join(json.dumps(r, ensure_ascii=rng.random() < 0.5) + rng.choice(["\n", "\r\n", "\n\n"]) for r in rows))
+        assert calib.TextFile(q) == want

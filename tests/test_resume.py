@@ -3,10 +3,12 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -48,19 +50,16 @@ def test_resume_after_kill_is_byte_identical(model, calib_file, tmp_path, sig):
     out = tmp_path / "out"
     kill_after = random.Random(int(sig)).randint(1, LAYERS - 2)  # layers completed before the kill
     p = subprocess.Popen(_cmd(model, out, calib_file, "--resume"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    meta = out / ".qtk-resume" / "meta.json"
+    state = out / ".qtk-resume"
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None:
-        try:
-            if json.loads(meta.read_text())["completed"] >= kill_after:
-                break
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            pass
+        if len(list(state.glob("layer-*"))) >= kill_after:  # each saved layer is one directory, renamed in complete
+            break
         time.sleep(0.01)
     assert p.poll() is None, "finished before it could be interrupted"
     p.send_signal(sig)
     _, err = p.communicate(timeout=60)
-    done = json.loads(meta.read_text())["completed"]
+    done = len(list(state.glob("layer-*")))
     assert 1 <= done < LAYERS
     assert not (out / "vllm").exists()  # nothing that looks complete
     if sig == signal.SIGINT:
@@ -68,21 +67,102 @@ def test_resume_after_kill_is_byte_identical(model, calib_file, tmp_path, sig):
 
     r = subprocess.run(_cmd(model, out, calib_file, "--resume"), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    assert f"resumed at layer {done} of {LAYERS}" in r.stderr
     assert _files(out / "vllm") == _files(ref / "vllm")
     assert _manifest_without_timings(out / "vllm") == _manifest_without_timings(ref / "vllm")
     assert not (out / ".qtk-resume").exists()
 
 
-def test_resume_state_of_another_run_is_not_reused(model, calib_file, tmp_path):
-    """A state directory left by a different recipe is discarded, not replayed."""
+def test_resume_state_of_another_run_is_not_reused(model, calib_file, tmp_path, caplog):
+    """A state directory left by a different command is discarded (and said so), not replayed."""
     from qtk import api
-    from qtk.resume import ResumeState
+    from qtk.resume import FORMAT
 
     out = tmp_path / "o"
-    out.mkdir()
-    stale = ResumeState(out, "someotherkey")
-    stale.completed = 3
-    stale._write_meta()
+    state = out / ".qtk-resume"
+    (state / "layer-00000").mkdir(parents=True)
+    (state / "meta.json").write_text(json.dumps({"format": FORMAT, "key": "someotherkey", "layers": LAYERS}))
+    (state / "layer-00000" / "manifest.json").write_text(json.dumps({"layer": 0, "files": {}}))
     res = api.convert(model, "w8a16", out, resume=True, hash_source=False)
+    assert "stale resume state ignored (different command)" in caplog.text
+    assert res.messages == [] and sorted(p.name for p in out.iterdir()) == ["vllm"]
     ref = api.convert(model, "w8a16", tmp_path / "ref", hash_source=False)
     assert _files(res.outputs["vllm"]) == _files(ref.outputs["vllm"])
+
+
+# ---- crash consistency: a crash at every write, rename and removal of the resume state and of the commit ----
+
+
+class Crash(BaseException):
+    """The run dies here (what SIGKILL or a power cut does at that instant)."""
+
+
+def _fault_sites() -> set[str]:
+    """Every fault point in the code: the test below must reach each of them."""
+    import re
+
+    import qtk
+
+    root = Path(qtk.__file__).parent
+    return {m for f in ("resume.py", "output.py", "api.py") for m in re.findall(r'fault_point\("([^"]+)"\)', (root / f).read_text())}
+
+
+def _same_output(d, ref):
+    assert _files(d) == _files(ref)
+    assert _manifest_without_timings(d) == _manifest_without_timings(ref)
+
+
+def test_crash_at_every_write_and_rename_then_resume(tmp_path, calib_file, monkeypatch):
+    """For each step k of a resumable run (over an old output to replace, with another command's stale state in
+    OUT), the run dies at step k: what it leaves on disk is copied at that instant (a crash image: no cleanup ran),
+    then the same command with --resume runs on the image. Every image holds either the old or the new output
+    (never a mixture) and every resumed run ends with outputs byte-identical to an uninterrupted run's, and an OUT
+    with nothing else in it."""
+    import qtk.resume
+    from qtk import api
+    from qtk.resume import FORMAT
+
+    model = make_tiny_model(tmp_path / "m", layers=2, hidden=64, intermediate=128)
+    old = tmp_path / "old"
+    api.convert(model, "w8a16", old, hash_source=False)
+    (old / ".qtk-resume").mkdir()
+    (old / ".qtk-resume" / "meta.json").write_text(json.dumps({"format": FORMAT, "key": "another command"}))
+
+    def convert(out):  # gptq has no old output: both commit paths are taken
+        return api.convert(model, "w8a16-gptq", out, targets=["vllm", "gptq"], calib=str(calib_file), num_samples=4,
+                           seq_len=16, hash_source=False, resume=True, overwrite=True)
+
+    steps = []
+    monkeypatch.setattr(qtk.resume, "fault_point", steps.append)
+    ref = tmp_path / "ref"
+    shutil.copytree(old, ref)
+    convert(ref)
+    assert set(steps) == _fault_sites(), set(steps) ^ _fault_sites()
+    assert sorted(p.name for p in ref.iterdir()) == ["gptq", "vllm"]
+    old_weights = (old / "vllm" / "model.safetensors").read_bytes()
+
+    for k, step in enumerate(steps):
+        out, image = tmp_path / f"o{k}", tmp_path / f"crash{k}"
+        shutil.copytree(old, out)
+        seen = []
+
+        def fault(s, out=out, image=image, seen=seen, k=k):
+            if len(seen) == k:
+                shutil.copytree(out, image, symlinks=True)
+                raise Crash(s)
+            seen.append(s)
+
+        monkeypatch.setattr(qtk.resume, "fault_point", fault)
+        with pytest.raises(Crash):
+            convert(out)
+        monkeypatch.setattr(qtk.resume, "fault_point", lambda s: None)
+        if (image / "vllm").exists():  # the old output or the new one, whole
+            weights = (image / "vllm" / "model.safetensors").read_bytes()
+            assert weights in (old_weights, (ref / "vllm" / "model.safetensors").read_bytes()), step
+        res = convert(image)
+        for t in ("vllm", "gptq"):
+            _same_output(image / t, ref / t)
+        assert sorted(p.name for p in image.iterdir()) == ["gptq", "vllm"], step
+        assert all(m.startswith("resumed at layer") for m in res.messages)
+        shutil.rmtree(out)
+        shutil.rmtree(image)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -38,11 +39,8 @@ class Writer:
         raise NotImplementedError
 
     def copy_side_files(self) -> None:
-        for p in self.source.tokenizer_files:
+        for p in self.source.checked_side_files():  # checked again: a link may have changed since the start
             shutil.copy2(p, self.dir / p.name)
-        gen = self.source.path / "generation_config.json"
-        if gen.is_file():
-            shutil.copy2(gen, self.dir / gen.name)
 
     def write_readme(self, manifest: dict, final: Path, gpu: str = "h100-80g", context: int = 4096, concurrency: int = 8) -> None:
         """README.md of the output: what it is, what loads it, and the serving flags that keep the KV cache in bounds."""
@@ -58,7 +56,9 @@ class Writer:
             "",
         ]
         lines += [f"- note: {n}" for n in self.notes]
-        lines += ["", f"Check it: `qtk inspect {final}` — gate it: `qtk eval {final} --baseline {self.source.path} --tasks tasks.yaml`.",
+        q = shlex.quote  # paths go into commands to copy and paste: spaces or $(...) must stay one literal argument
+        lines += ["", f"Check it: `qtk inspect {q(str(final))}` — gate it: "
+                      f"`qtk eval {q(str(final))} --baseline {q(str(self.source.path))} --tasks tasks.yaml`.",
                   "", f"The serving plan below assumes {gpu}; run `qtk plan` for your hardware.", "",
                   serving_section(self.source.config_dict, self.recipe, gpu=gpu, context=ctx, concurrency=concurrency,
                                   tp=self.options.tp, model_path=str(final),

@@ -20,6 +20,11 @@ ST_DTYPES = {
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 HEADER_BYTES_PER_TENSOR = 192  # generous: name + dtype + shape + offsets in JSON
+# The safetensors library refuses headers over 100 MB. The reserve is capped well below that: a shard whose
+# header would outgrow it is closed and the next tensor starts a new shard, so no count of tensors makes a file
+# that cannot be read back (and a huge expected count cannot make every shard carry a huge padded header).
+MAX_HEADER_RESERVE = 32 * 2**20
+SAFETENSORS_MAX_HEADER = 100_000_000
 DEFAULT_MAX_SHARD = 5 * 10**9
 
 
@@ -63,7 +68,7 @@ class _Shard:
     def close(self) -> None:
         header = json.dumps({"__metadata__": self.metadata, **self.entries}, separators=(",", ":")).encode()
         room = self.reserve - 8
-        assert len(header) <= room, "header outgrew its reserved space"  # guarded by ShardedWriter
+        assert len(header) <= room <= SAFETENSORS_MAX_HEADER, "header outgrew its reserved space"  # guarded by ShardedWriter
         header += b" " * (room - len(header))
         self.f.seek(0)
         self.f.write(struct.pack("<Q", len(header)))
@@ -82,7 +87,7 @@ class ShardedWriter:
         self.max_shard = max_shard_bytes
         self.prefix = prefix
         self.metadata = {"format": "pt", **(metadata or {})}
-        self.reserve = 8 + max(4096, HEADER_BYTES_PER_TENSOR * expected_tensors)
+        self.reserve = 8 + min(max(4096, HEADER_BYTES_PER_TENSOR * expected_tensors), MAX_HEADER_RESERVE)
         self.reserve += (-self.reserve) % 8
         self.shards: list[_Shard] = []
         self.total_size = 0
@@ -120,6 +125,28 @@ class ShardedWriter:
         return weight_map
 
 
+def save_file(tensors: dict[str, torch.Tensor], path: Path) -> str:
+    """Write one safetensors file through a plain file object and fsync it; returns the sha256 of its bytes.
+    Unlike safetensors.torch.save_file, a full disk surfaces as OSError(ENOSPC), and the hash comes for free."""
+    import hashlib
+
+    entries, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(header)), header, *(tensor_bytes(t) for t in tensors.values())):
+            h.update(chunk)
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return h.hexdigest()
+
+
 ST_TO_TORCH = {v: k for k, v in ST_DTYPES.items()}
 
 
@@ -136,7 +163,7 @@ class SafetensorsFile:
                 raise ValueError("file shorter than the 8-byte header length")
             (n,) = struct.unpack("<Q", raw)
             if n > min(size - 8, 100 * 2**20):
-                raise ValueError(f"header length {n} exceeds the file size")
+                raise ValueError("its header length field exceeds the file size")  # never print the bytes: they may be anything
             try:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError):

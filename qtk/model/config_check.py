@@ -1,5 +1,6 @@
 """Sanity checks on a config.json dict before anything is built from it: sizes that are positive integers
-within what any real model uses, and mutually consistent; and the tensor-parallel sizes a model's heads allow.
+within what any real model uses, and mutually consistent; within what the weight files on disk can hold (convert);
+and the tensor-parallel sizes a model's heads allow.
 
 Plain dict code (no transformers, no torch), so `qtk plan` and `qtk convert` refuse a hostile or broken config
 in microseconds instead of building millions of layers from it.
@@ -130,3 +131,42 @@ def check_tensor_parallel(tp: int, heads: int, kv_heads: int, intermediate: int 
                          f"use a --tp that divides {kv_heads} or is a multiple of it")
     if intermediate is not None and intermediate % tp:
         refuse("intermediate_size", intermediate)
+
+
+def min_parameters(cfg: Mapping) -> int:
+    """A lower bound on the parameters a (size-checked) config describes: the embedding and every layer's attention
+    projections (q, k, v, o). MLPs and experts are left out, so no architecture can hold fewer."""
+    t = text_config(cfg)
+    hidden = _first(t, "hidden_size", "n_embd", "d_model") or 1
+    layers = _first(t, "num_hidden_layers", "n_layer", "num_layers") or 1
+    heads = _first(t, "num_attention_heads", "n_head") or 1
+    kv = t.get("num_key_value_heads") or heads
+    head_dim = t.get("head_dim") or (hidden // heads or 1)
+    return (t.get("vocab_size") or 1) * hidden + layers * hidden * head_dim * (2 * heads + 2 * kv)
+
+
+def check_against_weights(cfg: Mapping, weight_bytes: int, tensor_count: int, where: str = "config.json") -> None:
+    """`check_config_sizes`, then refuse a config that describes more than the weight files can hold: more
+    parameters than `weight_bytes` (one byte each, at the least), or more layers or experts than there are tensors
+    (a layer holds at least one tensor, an MoE layer three per expert). Nothing is built before this."""
+    check_config_sizes(cfg, where)
+    t = text_config(cfg)
+    layers = _first(t, "num_hidden_layers", "n_layer", "num_layers") or 1
+    experts = _first(t, "num_local_experts", "num_experts", "n_routed_experts") or 0
+    for what, n, least in (("num_hidden_layers", layers, layers), ("experts per layer", experts, 3 * experts)):
+        if least > tensor_count:
+            raise UsageError(f"{where}: {what} {n} needs at least {least} tensors but the weight files hold {tensor_count}",
+                             "the config does not belong to these weights: " + FIX)
+    need = min_parameters(cfg)
+    if need > weight_bytes:
+        raise UsageError(f"{where} describes at least {_count(need)} parameters ({layers} layers, hidden_size "
+                         f"{_first(t, 'hidden_size', 'n_embd', 'd_model')}, vocab_size {t.get('vocab_size')}) "
+                         f"but the weight files hold {weight_bytes / 1e6:.1f} MB",
+                         "the config does not belong to these weights: " + FIX)
+
+
+def _count(n: int) -> str:
+    for unit, div in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)

@@ -13,6 +13,7 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.model.arch import ARCHS, Arch, arch_for
+from qtk.model.config_check import check_against_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -84,7 +85,11 @@ class ModelSource:
             raise UsageError(f"{cfg} has no model_type", "restore the model's original config.json (it names the architecture, e.g. 'llama')")
         self.arch: Arch = arch_for(self.config_dict.get("model_type"), self.config_dict)
         self._handles: dict[Path, object] = {}
+        self._skeleton = None
         self.weight_map = self._index_weights()
+        check_against_weights(self.config_dict, sum(p.stat().st_size for p in set(self.weight_map.values())),
+                              len(self.weight_map), f"{cfg}")
+        self.checked_side_files()
 
     # ---- files ----
 
@@ -114,7 +119,7 @@ class ModelSource:
             for name, fname in wm.items():
                 if not isinstance(fname, str):
                     raise UsageError(f"{index} is malformed (weight_map[{name!r}] is not a file name)", "restore the index file or re-download the model")
-                p = self.path / fname
+                p = self._inside(fname, index)
                 if not p.is_file():
                     raise UsageError(f"index names shard {fname} (for {name}) but it is missing", "re-download the missing shard")
                 files[name] = p
@@ -135,10 +140,45 @@ class ModelSource:
             return self._index_pickle()
         raise UsageError(f"{self.path} has no weights (*.safetensors)", "download the model's safetensors files into that directory")
 
+    def _inside(self, fname: str, index: Path) -> Path:
+        """The shard an index entry names, which must lie in the model directory: no absolute path, no '..',
+        no directory link leading out (a shard that is itself a link, as in the Hugging Face cache, is fine)."""
+        rel = Path(fname)
+        root = self.path.resolve()
+        outside = rel.is_absolute() or ".." in rel.parts
+        if not outside:
+            folder = (self.path / rel).parent.resolve()
+            outside = folder != root and root not in folder.parents
+        if outside:
+            raise UsageError(f"{index.name} names a shard outside the model directory ({fname!r})",
+                             "an index may only name files inside the model directory: restore the index file")
+        return self.path / rel
+
+    def checked_side_files(self) -> list[Path]:
+        """The side files (tokenizer, chat template, generation config), which every output copies; refuses one
+        whose real path is outside the model directory (a link to /etc/passwd would be published with the
+        checkpoint). Links into the Hugging Face cache's blob store (snapshots/REV/f -> ../../blobs/HASH) are
+        that cache's own layout and stay allowed."""
+        root = self.path.resolve()
+        roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+        files = self.side_files
+        for p in [self.path / "config.json", *files]:  # config.json is rewritten into every output too
+            if not any(r in p.resolve().parents for r in roots):
+                raise UsageError(f"{p.name} in {self.path.name} is a link to a file outside the model directory",
+                                 "replace the link with a copy of the file if it belongs to the model, or remove it")
+        return files
+
     def _index_pickle(self) -> dict[str, Path]:
         out = {}
         for p in sorted(self.path.glob("*.bin")):
-            sd = torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+            try:
+                sd = torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as e:  # weights_only refuses any object that is not a tensor; never unpickled
+                kind = "holds objects other than tensors (possibly code)" if "weights_only" in str(e).lower() else "is not a readable torch checkpoint"
+                raise UsageError(f"{p.name} {kind}; it was not loaded",
+                                 "get safetensors weights from the model's publisher (qtk never runs code from a checkpoint)") from None
+            if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+                raise UsageError(f"{p.name} is not a state dict of named tensors", "get safetensors weights from the model's publisher")
             self._handles[p] = sd
             out.update({k: p for k in sd})
         return out
@@ -185,6 +225,12 @@ class ModelSource:
     @property
     def tokenizer_files(self) -> list[Path]:
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+
+    @property
+    def side_files(self) -> list[Path]:
+        """What every output copies from the model directory besides the weights."""
+        gen = self.path / "generation_config.json"
+        return self.tokenizer_files + ([gen] if gen.is_file() else [])
 
     def tokenizer(self):
         if not any(p.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for p in self.tokenizer_files):
@@ -239,9 +285,11 @@ class ModelSource:
         (rotary frequencies, embedding scales: non-persistent buffers no checkpoint holds), fp32.
         Every parameter it expects is checked against the weight files' headers first, so a missing or
         misshapen tensor is refused before any work (not half-way, and not silently passed through)."""
-        model = meta_skeleton(self.config, trust_remote_code=self.trust_remote_code)
-        self._check_tensors(model)
-        return model
+        if self._skeleton is None:  # built once: `qtk convert` checks it before any work, then runs on it
+            model = meta_skeleton(self.config, trust_remote_code=self.trust_remote_code)
+            self._check_tensors(model)
+            self._skeleton = model
+        return self._skeleton
 
     def shape(self, name: str) -> list[int]:
         """A tensor's shape from the file header, without reading its data."""
@@ -249,6 +297,7 @@ class ModelSource:
         return list(h[name].shape) if isinstance(h, dict) else h.shape(name)
 
     def _check_tensors(self, model) -> None:
+        self._check_unknown_tensors(model)
         groups: dict[int, list[tuple[str, torch.Tensor]]] = {}  # tied parameters are one object under several names
         for name, p in model.named_parameters(remove_duplicate=False):
             groups.setdefault(id(p), []).append((name, p))
@@ -260,6 +309,22 @@ class ModelSource:
                 if self.shape(n) != list(p.shape):
                     raise UsageError(f"tensor {n} has shape {self.shape(n)} but config.json implies {list(p.shape)}",
                                      "the weights do not belong to this config.json")
+
+    def _check_unknown_tensors(self, model) -> None:
+        """Every tensor in the weight files must belong to the model config.json describes (or be one that
+        transformers itself skips, such as old checkpoints' rotary inv_freq): junk tensors would be copied
+        into the output, and millions of them make an output no reader accepts."""
+        import re
+
+        known = set(model.state_dict(keep_vars=True))
+        skip = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"]
+        skip_re = re.compile("|".join(f"({p})" for p in skip))
+        unknown = [n for n in self.weight_map if n not in known and not skip_re.search(n)]
+        if unknown:
+            shown = ", ".join(unknown[:3]) + (", ..." if len(unknown) > 3 else "")
+            raise UsageError(f"{len(unknown)} tensor(s) in {self.path.name} belong to no module of the "
+                             f"{self.config_dict.get('model_type')} model config.json describes ({shown})",
+                             "check that config.json belongs to these weights, or remove the stray tensors")
 
     def load_module(self, module: torch.nn.Module, prefix: str, dtype=torch.float32, check_finite: bool = False) -> torch.nn.Module:
         """Materialise a (meta) module from the source tensors under `prefix`, in `dtype`. Returns a new module.

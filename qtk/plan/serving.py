@@ -7,6 +7,7 @@ Paged attention and continuous (in-flight) batching are both engines' defaults, 
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 from typing import Mapping
 
@@ -24,6 +25,8 @@ def serving_commands(s: ModelShape, recipe, m: MemoryPlan, dep, *, model_path: s
                      trtllm_checkpoint: str = "TRTLLM_CHECKPOINT", engine_dir: str = "ENGINE_DIR") -> dict:
     """The flags for vLLM and TensorRT-LLM at the plan's concurrency (or the most that fits)."""
     seqs = dep.concurrency if m.fits else max(1, min(dep.concurrency, m.max_concurrency))
+    # paths are quoted: the lines are meant to be pasted into a shell, and a path may hold spaces or $(...)
+    model_path, trtllm_checkpoint, engine_dir = (shlex.quote(str(p)) for p in (model_path, trtllm_checkpoint, engine_dir))
     vllm = (f"vllm serve {model_path} --kv-cache-dtype {kv_cache_dtype_flag(recipe)} "
             f"--gpu-memory-utilization {dep.utilization:g} --max-num-seqs {seqs} "
             f"--max-model-len {dep.context} --tensor-parallel-size {dep.tp}")
