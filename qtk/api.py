@@ -305,7 +305,8 @@ def _calibration(source, r: Recipe, calib, calib_ids, text_field, split, num_sam
             "seed": s, "token_hash": ids_hash(ids)}
     if chat.conversations:
         info["chat_template"] = {"applied": True, "conversations": chat.conversations, "sha256": chat.template_sha256,
-                                 "note": f"each '{field_}' conversation was rendered with the model's chat template"}
+                                 "note": f"each '{field_}' conversation read was rendered with the model's chat template "
+                                         "(texts are read only as far as the windows need)"}
     return ids, info
 
 

@@ -320,7 +320,8 @@ def test_chat_messages_calibrate_through_the_chat_template(tmp_path, tiny_llama)
     assert code == 0, out
     calib = json.loads((tmp_path / "o" / "vllm" / "qtk.json").read_text())["calibration"]
     assert calib["text_field"] == "messages" and calib["chat_template"]["applied"] is True
-    assert calib["chat_template"]["conversations"] == 20 and "chat template" in calib["chat_template"]["note"]
+    # conversations are rendered as the sampler reads them: enough for 2 x 4 x 32 tokens, not necessarily all 20
+    assert 0 < calib["chat_template"]["conversations"] <= 20 and "chat template" in calib["chat_template"]["note"]
 
 
 def test_split_option(tmp_path, tiny_llama):

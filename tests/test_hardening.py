@@ -92,7 +92,7 @@ def test_long_text_is_tokenized_only_as_far_as_needed(tmp_path, huge_line):
     class Tok:  # one token per character, and a record of what it was given
         eos_token_id, bos_token_id = 2, 1
 
-        def __call__(self, text, add_special_tokens=False):
+        def __call__(self, text, add_special_tokens=False, verbose=True):
             seen.append(len(text))
             return {"input_ids": [ord(c) % 50 + 3 for c in text]}
 
