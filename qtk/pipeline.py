@@ -166,6 +166,7 @@ def _forward_all(layer, batches):
 def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batches, targets: list[str]):
     """Quantize one materialised layer; returns its LayerResult and the next layer's inputs."""
     from qtk import calibrate as cal
+    from qtk.checks import reference_weight, relative_error
 
     arch, dtype = source.arch, source.dtype
     prefix = source.layer_prefix(i)
@@ -199,6 +200,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
         qweights = cal.rtn_weights({t: w.float() for t, w in weights.items()}, recipe, arch, dtype)
 
     errors = {}
+    smoothed = "smoothquant" in records or "awq" in records
     for t, qt in qweights.items():
         if not torch.isfinite(qt.scale).all():  # a NaN/Inf weight poisons its row's scale: cheaper than scanning W
             raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
@@ -206,9 +208,11 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
             w_hat = cal.swap_in(layer, t, qt, recipe, amax)  # the next layer sees what the engine computes
         else:
             w_hat = layer.get_submodule(t).weight if batches else engine_weight(qt)
-        w = weights[t].float()
-        errors[prefix + t] = float((w_hat.float() - w).norm() / w.norm().clamp_min(1e-12))
-        del w_hat
+        # measured against the source weight in the frame it was quantized in (smoothing folded, AWQ's clipping not:
+        # it is part of the error), the reference `qtk inspect` rebuilds from the source and these records
+        w = reference_weight(source, prefix + t, arch, records) if smoothed else weights[t].float()
+        errors[prefix + t] = relative_error(w_hat, w)
+        del w_hat, w
     del weights, master  # only the quantized layer is needed from here
 
     kv = None

@@ -19,6 +19,7 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
+from qtk.export.checkpoint import FLOATS, expect_tensor
 from qtk.export.gptq import (
     LegacyCheckpoint,
     LegacyWriter,
@@ -119,6 +120,16 @@ class AWQCheckpoint(LegacyCheckpoint):
     def ignore_patterns(self) -> list[str]:
         # substring match, as vLLM and transformers apply modules_to_not_convert
         return [f"re:.*{re.escape(m)}.*" for m in self.qconfig.get("modules_to_not_convert") or []]
+
+    def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
+        out_f, in_f = shape
+        groups = -(-in_f // self.weights_scheme.group_size)
+        problems: list[str] = []
+        expect_tensor(self, f"{module}.qweight", torch.int32, [in_f, out_f // 8], problems)
+        expect_tensor(self, f"{module}.qzeros", torch.int32, [groups, out_f // 8], problems)
+        expect_tensor(self, f"{module}.scales", FLOATS, [groups, out_f], problems,
+                      f" (group_size {self.weights_scheme.group_size})")
+        return problems
 
     def qtensor(self, module: str) -> QTensor:
         s = self.weights_scheme

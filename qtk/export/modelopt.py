@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
-from qtk.export.checkpoint import Checkpoint, config_quantization
+from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, config_quantization, expect_tensor
 from qtk.export.trtllm import AWQ_GROUP_SIZES, pack_int4_pairs, unpack_int4_pairs
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import FP8_MAX, QuantScheme
@@ -197,8 +197,26 @@ class ModelOptHFCheckpoint(Checkpoint):
             return None
         return float(self.tensor(k).reshape(-1)[0]), float(self.tensor(v).reshape(-1)[0])
 
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+    def kv_tensor_names(self, layer: int) -> str:
+        return f"model.layers.{layer}.self_attn.k_proj.k_scale / v_proj.v_scale"
+
+    def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
+        out_f, in_f = shape
+        problems: list[str] = []
+        if self.quant_algo == "FP8":
+            expect_tensor(self, f"{module}.weight", torch.float8_e4m3fn, [out_f, in_f], problems)
+            expect_tensor(self, f"{module}.weight_scale", torch.float32, SCALAR, problems)
+            expect_tensor(self, f"{module}.input_scale", torch.float32, SCALAR, problems, " (FP8 has static activation scales)")
+        else:
+            g = self.weights_scheme.group_size
+            expect_tensor(self, f"{module}.weight", (torch.uint8, torch.int8), [out_f // 2, in_f], problems)
+            expect_tensor(self, f"{module}.weight_scale", FLOATS, [out_f, in_f // g], problems, f" (group_size {g})")
+            if self.has(f"{module}.pre_quant_scale"):
+                expect_tensor(self, f"{module}.pre_quant_scale", FLOATS, [in_f], problems)
+        return problems
+
+    def dense_names(self) -> list[str]:
         quant_suffixes = (".weight_scale", ".input_scale", ".pre_quant_scale", ".k_scale", ".v_scale")
         qmods = set(self.modules())
-        return {n: self.tensor(n) for n in self.tensor_names()
-                if not n.endswith(quant_suffixes) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)}
+        return [n for n in self.tensor_names()
+                if not n.endswith(quant_suffixes) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)]
