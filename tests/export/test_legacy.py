@@ -126,6 +126,8 @@ def test_gptq_decodes_to_the_vllm_weights(converted, label, bits, group):
         assert torch.equal(got, ref), m
         # bf16 scales are fp16-exact at these magnitudes: the legacy weight is the vLLM weight itself
         assert torch.equal(got, v.qtensor(m).dequantize()), m
+    if label != "asym":  # the full symmetric grid reaches the format: code -2^(bits-1) (unsigned 0) is written and decoded
+        assert min(int(v.qtensor(m).values.min()) for m in mods) == -(1 << (bits - 1))
 
 
 @pytest.mark.parametrize("label,group", [("w4a16", 128), ("asym", 64)])

@@ -56,6 +56,7 @@ def trt_weights(d) -> dict[str, torch.Tensor]:
             elif algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
                 W = w.float() * f[p + "per_channel_scale"][0][:, None]
             elif algo == "W4A16_AWQ":
+                assert int(unpack_pairs(w).min()) >= -8 and int(unpack_pairs(w).max()) <= 7
                 W = unpack_pairs(w).float() * f[p + "weights_scaling_factor"].repeat_interleave(q["group_size"], 1)
             else:  # W8A16 / W4A16: plain weights, quantized by trtllm-build
                 assert algo in ("W8A16", "W4A16") and w.dtype == getattr(torch, cfg["dtype"])
@@ -95,6 +96,9 @@ def test_trtllm_dequantizes_to_the_vllm_weights(name, outputs):
         ref = vllm.qtensor(m).dequantize()
         ref = ref.to(trt[m].dtype) if plain else ref  # plain weights are stored in the model dtype
         assert torch.equal(trt[m], ref), m
+    s = vllm.weights_scheme
+    if not s.is_fp8 and s.symmetric:  # the full grid's code -2^(bits-1) is written and decoded like any other
+        assert min(int(vllm.qtensor(m).values.min()) for m in vllm.modules()) == s.qmin
     # dense tensors too: embeddings, norms, lm_head
     ours, theirs = open_checkpoint(outputs[name]["trtllm"]).dense_state_dict(), vllm.dense_state_dict()
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
