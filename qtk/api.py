@@ -366,10 +366,9 @@ def _inspect_source(ck, source):
 
 def _expected_quantized(ck) -> list[str]:
     """Linears of every decoder layer per the architecture table, less the checkpoint's own exclusions."""
-    from qtk.checks import _arch
-    from qtk.checks import _expected_quantized as expected
+    from qtk.checks import checkpoint_arch, expected_quantized
 
-    return expected(ck, _arch(ck), None)
+    return expected_quantized(ck, checkpoint_arch(ck), None)
 
 
 def plan(model: str | Path, recipe: str | Path | Recipe | None = None, *, gpu: str = "h100-80g", context: int = 4096,

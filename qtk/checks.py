@@ -165,14 +165,14 @@ def relative_error(w, ref) -> float:
 
 # ---- the checks ----
 
-def _arch(ck):
+def checkpoint_arch(ck):
     from qtk.model.arch import ARCHS, arch_for
 
     mt = ck.hf_config.get("model_type")
     return arch_for(mt, ck.hf_config) if mt in ARCHS else None
 
 
-def _expected_quantized(ck, arch, recipe) -> list[str]:
+def expected_quantized(ck, arch, recipe) -> list[str]:
     """Linears of every decoder layer per the architecture table, less the recipe's ignore (when known) or else
     the checkpoint's own exclusions."""
     from qtk.pipeline import matches
@@ -229,7 +229,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
     if recipe is None and manifest:
         recipe = _manifest_recipe(manifest)
     shapes, tied = expected_parameters(ck.hf_config)
-    arch = _arch(ck)
+    arch = checkpoint_arch(ck)
     structure: list[str] = list(ck.format_problems())
     try:
         mods = ck.modules()
@@ -345,7 +345,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
 
     # ---- coverage: what the recipe quantizes is quantized, and the config says so
     if arch is not None:
-        expected = _expected_quantized(ck, arch, recipe)
+        expected = expected_quantized(ck, arch, recipe)
         missing = [m for m in expected if m not in quantized]
         hidden = [m for m in mods if _ignored(m, ck)]
         problems = [f"not quantized: {', '.join(missing[:5])}"] if missing else []
