@@ -92,6 +92,7 @@ class ModelOptHFWriter(Writer):
                 amax = r.input_amax[mod]
                 self.shards.add(f"{mod}.input_scale", _scalar(amax / FP8_MAX if amax > 0 else 1.0))
             else:
+                # the full int4 grid (docs/grids.md): TensorRT-LLM decodes q * s for every code -8..7
                 self.shards.add(f"{mod}.weight", pack_int4_pairs(qt.values).view(torch.uint8))
                 self.shards.add(f"{mod}.weight_scale", qt.scale.to(torch.float32))
                 if mod[len(prefix):] in self.prequant:

@@ -301,6 +301,7 @@ def linear_parts(algo: str, qt: QTensor, amax: float | None, dtype: torch.dtype,
             parts["smoother"] = Part(torch.ones(1, in_f, dtype=f32), None, 1)
         return parts
     if algo == "W4A16_AWQ":
+        # qtk's full grid (-8..7, amax/7.5; ModelOpt exports amax/7): the group-wise kernel computes q * s for any code
         return {"weight": Part(qt.values, 0, 1, pack_int4_pairs),
                 "weights_scaling_factor": Part(qt.scale.to(f32), 0, 1),
                 "prequant_scaling_factor": Part(torch.ones(in_f, dtype=dtype), None, 0)}
