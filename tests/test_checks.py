@@ -183,3 +183,23 @@ def test_memory_of_a_check_is_one_tensor_not_the_checkpoint(tiny_llama, calib_fi
     assert check_checkpoint(ck).ok
     assert peak[0] <= 4, peak  # a Linear's weight, scale and shape, or one dense tensor
     assert torch.is_tensor(tensor(ck, "model.embed_tokens.weight"))
+
+
+def test_awq_checkpoints_without_recorded_scales_are_not_misjudged(tiny_llama, calib_file, tmp_path):
+    """AWQ folds its scales into the weights; qtk.json records them so the source can be brought into that frame.
+    A manifest from before that (only the chosen ratios) cannot be compared: those Linears are reported as not
+    compared, not failed."""
+    code, _, err = convert(tiny_llama, "w4a16-awq", tmp_path / "o", calib_file, "vllm")
+    assert code == 0, err
+    d = tmp_path / "o" / "vllm"
+    rep = api.inspect(d)
+    assert rep.ok and len(rep.errors) == 14
+    m = json.loads((d / "qtk.json").read_text())
+    layers = m["stats"]["algorithm"]
+    assert all(layers[i]["awq"]["s"] for i in layers)  # the scales themselves, per smoothing pair
+    for i in layers:
+        del layers[i]["awq"]["s"]
+    (d / "qtk.json").write_text(json.dumps(m))
+    rep = api.inspect(d)
+    cmp = next(c for c in rep.checks if c.name == "written weights match the source")
+    assert rep.ok and "not compared" in cmp.detail and len(rep.errors) < 14
