@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from qtk.checks import Check
 from qtk.errors import CheckFailed, QtkError, UsageError
 from qtk.recipe import Recipe, load_recipe
 
@@ -113,11 +114,10 @@ def convert(
     """
     import qtk.resume
     from qtk import __version__
-    from qtk.checks import PostChecks
     from qtk.export import ExportOptions, check_targets, writer_for
     from qtk.model.source import ModelSource
     from qtk.output import OutputDir
-    from qtk.pipeline import check_ignore, run
+    from qtk.pipeline import check_group_size, check_ignore, run
 
     stage = on_stage or (lambda s: None)
     timings: dict[str, float] = {}
@@ -139,6 +139,7 @@ def convert(
     finals = _check_output_paths(source, out, targets, overwrite)
     check_ignore(source, r)
     check_targets(source, r, options, writer_classes)  # refuse unsupported combinations before any work
+    check_group_size(source, r)  # from the headers, before calibration data is loaded
     _warn_unused_calibration(r, calib=calib, calib_ids=calib_ids, text_field=text_field, split=split,
                              num_samples=num_samples, seq_len=seq_len, seed=seed)
     if r.needs_calibration and calib_ids is None:
@@ -165,20 +166,15 @@ def convert(
         else:
             hashes = {}
         stage("quantizing layers")
-        checks = PostChecks(source, r)
-        stats = run(source, r, ids, [*writers, checks], batch_size=batch_size, on_layer=on_layer, resume=state)
+        stats = run(source, r, ids, writers, batch_size=batch_size, on_layer=on_layer, resume=state)
         timings.update(stats.timings)
-        failures = checks.finish()
-        if failures:
-            raise CheckFailed(f"post-conversion check failed: {'; '.join(failures[:3])}",
-                              "nothing was written; report this with the model config and recipe")
         stage("writing")
         t0 = time.perf_counter()
         manifest = {
             "qtk_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "recipe": {"name": r.name, "hash": r.hash, "text": r.text, "summary": r.summary()},
-            "source": {"path": str(source.path), "model_type": source.config_dict.get("model_type"),
+            "source": {"path": str(source.path.resolve()), "model_type": source.config_dict.get("model_type"),
                        "dtype": str(source.dtype).replace("torch.", ""), "files_sha256": hashes},
             "calibration": calib_info,
             "versions": _versions(),
@@ -190,6 +186,11 @@ def convert(
             w.finish(manifest)
             w.write_readme(manifest, finals[t])
         timings["write"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for t, w in zip(targets, writers):  # judged from the bytes just written, before anything is renamed into place
+            stage(f"checking {t}")
+            _self_check(t, w.dir, source, r)
+        timings["self_check"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - t_start
         for w in writers:  # final timings, then the atomic rename
             qtk.resume.fault_point("commit: write qtk.json")
@@ -338,6 +339,18 @@ def _warn_unused_calibration(recipe: Recipe, **given) -> None:
             recipe.name, ", ".join(names), "is" if len(names) == 1 else "are")
 
 
+def _self_check(target: str, directory: Path, source, recipe: Recipe) -> None:
+    """The checks `qtk inspect` runs, on a finished temporary output: a writer that wrote something other than what
+    was measured (a dropped g_idx, a wrong scale, metadata that decodes differently) fails here, exit 1."""
+    from qtk.checks import check_checkpoint
+    from qtk.export import open_checkpoint
+
+    rep = check_checkpoint(open_checkpoint(directory), source=source, recipe=recipe)
+    if not rep.ok:
+        raise CheckFailed(f"post-conversion check of the {target} output failed: {'; '.join(rep.failures()[:2])}",
+                          "nothing was written; report this with the model config and recipe")
+
+
 def _expert_stats(stats, recipe: Recipe, writers) -> dict:
     """MoE: calibration tokens per expert, and the experts under the recipe's minimum, also as a note on every
     output (README, manifest, CLI): an expert calibration barely reached has scales resting on little data."""
@@ -360,89 +373,78 @@ def _expert_stats(stats, recipe: Recipe, writers) -> dict:
 
 
 @dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str = ""
-
-
-@dataclass
 class InspectReport:
     path: Path
     format: str
     summary: dict
     modules: dict[str, str]  # module -> "int8 [out,in]" etc.
     checks: list[Check] = field(default_factory=list)
+    errors: dict[str, float] = field(default_factory=dict)  # module -> relative error against the source, from disk
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
 
 
-def inspect(path: str | Path) -> InspectReport:
-    """Summarise a written checkpoint and check it: coverage, scales, KV scales, packed weights, NaN/Inf."""
-    import torch
-
+def inspect(path: str | Path, source: str | Path | None = None) -> InspectReport:
+    """Summarise a written checkpoint and check it from its bytes (qtk.checks): tensors against the config, every
+    quantized Linear decoded through the format's reader and compared with the source model's weights, KV and
+    activation scales, dense tensors. `source` is the model it was converted from; by default the path qtk.json
+    records, and the comparison is reported as skipped when neither is readable."""
+    from qtk.checks import check_checkpoint
     from qtk.export import open_checkpoint
 
     ck = open_checkpoint(path)
-    checks: list[Check] = []
-    mods = ck.modules()
-    expected = _expected_quantized(ck)
-    missing = [m for m in expected if m not in set(mods)]
-    checks.append(Check("every targeted Linear is quantized", not missing,
-                        f"{len(mods)} quantized" if not missing else f"not quantized: {', '.join(missing[:5])}"))
-    bad_scale, constant, module_desc = [], [], {}
-    for m in mods:
-        qt = ck.qtensor(m)
-        module_desc[m] = f"{str(qt.values.dtype).replace('torch.', '')} {list(qt.shape)} {qt.scheme.describe()}"
-        if not (torch.isfinite(qt.scale).all() and (qt.scale > 0).all()):
-            bad_scale.append(m)
-        v = qt.values.float()
-        if v.numel() > 1 and bool((v == v.reshape(-1)[0]).all()):
-            constant.append(m)
-    checks.append(Check("weight scales finite and positive", not bad_scale, ", ".join(bad_scale[:5])))
-    checks.append(Check("quantized weights not constant", not constant, ", ".join(constant[:5])))
-    n_layers = int(ck.hf_config.get("num_hidden_layers", 0))
-    if ck.kv_cache:
-        scales = [ck.kv_scales(i) for i in range(n_layers)]
-        absent = [i for i, s in enumerate(scales) if s is None]
-        checks.append(Check("KV scales present for every layer", not absent, f"missing in layers {absent[:8]}" if absent else f"{n_layers} layers"))
-        vals = [x for s in scales if s for x in s]
-        # scales floored at 1.0 by the format (TensorRT-LLM FP8 KV, ModelOpt's convention) cannot show calibration
-        all_one = bool(vals) and all(abs(x - 1.0) < 1e-12 for x in vals) and getattr(ck, "kv_scale_floor", None) != 1.0
-        nonpos = [x for x in vals if not (x > 0 and x == x and x != float("inf"))]
-        checks.append(Check("KV scales calibrated (not all 1.0, finite, positive)", not all_one and not nonpos,
-                            "all k/v scales are 1.0: uncalibrated" if all_one else ("non-finite or non-positive scale" if nonpos else "")))
-    if ck.activations is not None and not ck.activations.dynamic:
-        no_in = [m for m in mods if ck.input_scale(m) is None]
-        checks.append(Check("static activation scales present", not no_in, ", ".join(no_in[:5])))
-    nonfinite = [n for n, t in ck.dense_state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    checks.append(Check("dense tensors finite", not nonfinite, ", ".join(nonfinite[:5])))
+    src, note = _inspect_source(ck, source)
+    rep = check_checkpoint(ck, source=src, source_note=note)
     summary = {
         "format": ck.format,
         "weights": ck.weights_scheme.describe(),
         "activations": ck.activations.describe() if ck.activations else "none (16-bit)",
         "kv_cache": ck.kv_cache or "16-bit",
-        "quantized_modules": len(mods),
+        "quantized_modules": len(rep.modules),
         "size_bytes": ck.size_bytes(),
         "model_type": ck.hf_config.get("model_type"),
-        "layers": n_layers,
+        "layers": ck.hf_config.get("num_hidden_layers"),
+        "source": str(src.path) if src is not None else f"not compared ({note})",
     }
-    if ck.manifest:
-        summary["recipe"] = ck.manifest.get("recipe", {}).get("name")
-    return InspectReport(Path(path), ck.format, summary, module_desc, checks)
+    m = ck.manifest
+    if m:
+        summary["recipe"] = (m.get("recipe") or {}).get("name")
+    return InspectReport(Path(path), ck.format, summary, rep.modules, rep.checks, rep.errors)
+
+
+def _inspect_source(ck, source):
+    """(ModelSource | None, why not): an explicit source must open (exit 2 otherwise); the recorded one is used
+    when it still holds the model that was converted."""
+    import hashlib
+
+    from qtk.model.source import ModelSource
+
+    if source is not None:
+        return ModelSource(source), ""
+    rec = (ck.manifest or {}).get("source") or {}
+    p = rec.get("path")
+    if not p:
+        return None, "qtk.json records no source path; give --source MODEL"
+    p = Path(p)
+    if not p.is_dir():
+        return None, f"the recorded source {p} is not there; give --source MODEL"
+    want = (rec.get("files_sha256") or {}).get("config.json")
+    cfg = p / "config.json"
+    if want and cfg.is_file() and hashlib.sha256(cfg.read_bytes()).hexdigest() != want:
+        return None, f"{p}/config.json is not the one converted; give --source MODEL"
+    try:
+        return ModelSource(p), ""
+    except QtkError as e:
+        return None, f"the recorded source {p} cannot be read ({e.problem}); give --source MODEL"
 
 
 def _expected_quantized(ck) -> list[str]:
     """Linears of every decoder layer per the architecture table, less the checkpoint's own exclusions."""
-    from qtk.model.arch import arch_for
-    from qtk.pipeline import matches
+    from qtk.checks import checkpoint_arch, expected_quantized
 
-    arch = arch_for(ck.hf_config.get("model_type"), ck.hf_config)
-    ignore = ck.ignore_patterns()
-    names = [f"{arch.layers}.{i}.{lin}" for i in range(int(ck.hf_config["num_hidden_layers"])) for lin in arch.linears]
-    return [n for n in names if not matches(n, ignore)]
+    return expected_quantized(ck, checkpoint_arch(ck), None)
 
 
 def plan(model: str | Path, recipe: str | Path | Recipe | None = None, *, gpu: str = "h100-sxm", context: int = 4096,

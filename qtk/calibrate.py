@@ -192,6 +192,8 @@ def apply_awq(layer, arch, targets, batches, recipe: Recipe, params, dtype, mast
         s, info = awq_search_scales(x, weights, recipe.weights, params, dtype)
         _fold(layer, arch, pair, s, master)
         records["scales"][pair.prev] = info.get("ratio")
+        if info.get("ratio") is not None:  # the scales themselves: the frame the weights were quantized in
+            records.setdefault("s", {})[pair.prev] = s.float().tolist()
     if params.clip:
         for group in sequential_groups(arch, targets):
             clip_targets = [t for t in group if t not in arch.clip_skip]

@@ -1,64 +1,448 @@
-"""Post-conversion checks, run on the stream of LayerResults at the end of every convert (no re-read):
-every targeted Linear quantized, no collapsed (constant) quantized tensor, finite positive scales,
-calibrated KV scales, no NaN/Inf, and each weight's quantization error within what its scheme allows."""
+"""Checks of a written checkpoint, judged from the bytes on disk: every tensor's dtype and shape against the scheme
+its config declares, the config against the tensors, and every quantized Linear decoded through the target's own
+reader and compared with the source weights (its error within the scheme's bound and equal to the figure qtk.json
+recorded). One implementation serves `qtk inspect`, the self-check `qtk convert` runs on each temporary output
+before renaming it into place, and `qtk eval` at load. Memory stays O(one tensor): Linears and dense tensors are
+read, judged and dropped one at a time."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
-import torch
-
-from qtk.recipe import Recipe
+from qtk.errors import QtkError
 
 # relative Frobenius error ||W - Q(W)|| / ||W|| that a sane quantizer stays far below (RTN on Gaussian
-# weights gives ~0.01 at int8, ~0.17 at int4, ~0.04 at fp8); a broken one (wrong scale, collapsed
+# weights gives ~0.01 at int8, ~0.15 at int4, ~0.04 at fp8); a broken one (wrong scale, collapsed
 # packing, swapped layout) lands at or above 1.
 MAX_REL_ERROR = {("int", 8): 0.1, ("int", 4): 0.7, ("int", 2): 1.5, ("float", 8): 0.2}
+MANIFEST_TOLERANCE = 1e-3  # |error measured on disk - error qtk.json recorded|
+WEIGHT_RANGE = (1e-8, 1e4)  # a decoded weight's largest magnitude outside this is no trained LLM's
+ACT_RANGE = (1e-6, 1e6)  # the activation range a static input scale implies
+KV_SLACK = 1.05  # the K/V bound is exact math; the engine computes K and V in 16 bits
+KV_FLOOR_RATIO = 1e-6  # a K/V range this far below the bound the weights allow is a broken scale
+CONFIG_LIMITS = {"hidden_size": 1 << 20, "num_hidden_layers": 1 << 12, "vocab_size": 1 << 24,
+                 "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "intermediate_size": 1 << 22,
+                 "head_dim": 1 << 14, "max_position_embeddings": 1 << 26}
+CONFIG_REQUIRED = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+STRUCTURE = "tensors match the config (dtypes, shapes, scheme)"
 
 
-class PostChecks:
-    """A sink beside the writers: sees exactly what they see, keeps only failures."""
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+    skipped: bool = False
 
-    def __init__(self, source, recipe: Recipe):
-        self.source = source
-        self.recipe = recipe
-        self.failures: list[str] = []
-        self.kv: list[float] = []
-        self.expected: list[str] = []
-        self.quantized: set[str] = set()
 
-    def add_dense(self, name: str, t: torch.Tensor) -> None:
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            self.failures.append(f"{name} has NaN/Inf")
+@dataclass
+class CheckReport:
+    checks: list[Check] = field(default_factory=list)
+    modules: dict[str, str] = field(default_factory=dict)  # module -> "int8 [out, in] int8 channel sym"
+    errors: dict[str, float] = field(default_factory=dict)  # module -> ||W_disk - W_source|| / ||W_source||
+    kv_amax: dict[int, list[float]] = field(default_factory=dict)  # layer -> K, V range the written scales imply
 
-    def add_layer(self, r) -> None:
-        from qtk.pipeline import target_linears
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
 
-        prefix = self.source.layer_prefix(r.index)
-        self.expected += [prefix + t for t in target_linears(self.source, self.recipe, r.index)]
-        self.quantized.update(r.qweights)
-        bound = MAX_REL_ERROR.get((self.recipe.weights.type, self.recipe.weights.num_bits), math.inf)
-        for m, qt in r.qweights.items():
-            if not (torch.isfinite(qt.scale).all() and (qt.scale > 0).all()):
-                self.failures.append(f"{m}: non-finite or non-positive scale")
-            v = qt.values.reshape(-1)
-            if v.numel() > 1 and bool((v == v[0]).all()):
-                self.failures.append(f"{m}: every quantized value is {v[0].item()} (collapsed)")
-            err = r.weight_error.get(m)
-            if err is not None and not err <= bound:
-                self.failures.append(f"{m}: quantization error {err:.3f} exceeds {bound} for {self.recipe.weights.describe()}")
-        for n, t in r.dense.items():
-            self.add_dense(n, t)
-        if self.recipe.kv_cache is not None:
-            if r.k_amax is None:
-                self.failures.append(f"layer {r.index}: no KV statistics")
-            else:
-                self.kv += [r.k_amax, r.v_amax]
+    def failures(self) -> list[str]:
+        return [f"{c.name}: {c.detail}" for c in self.checks if not c.ok]
 
-    def finish(self) -> list[str]:
-        missing = [m for m in self.expected if m not in self.quantized]
-        if missing:
-            self.failures.append(f"not quantized: {', '.join(missing[:5])}")
-        if self.kv and not all(math.isfinite(a) and a > 0 for a in self.kv):
-            self.failures.append("a K/V maximum is zero or non-finite: KV scales would be invalid")
-        return self.failures
+    def add(self, name: str, problems: list[str], detail: str = "") -> None:
+        shown = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+        self.checks.append(Check(name, not problems, shown if problems else detail))
+
+
+# ---- config and expected tensors ----
+
+def config_problems(cfg: dict) -> list[str]:
+    """Sizes in config.json: positive integers, within reason, consistent with each other (checked before any
+    skeleton is built: a hidden_size of 1e9 would otherwise allocate gigabytes of rotary tables)."""
+    out = []
+    for k in CONFIG_REQUIRED:
+        if k not in cfg:
+            out.append(f"config.json has no {k}")
+    for k, limit in CONFIG_LIMITS.items():
+        if k not in cfg or cfg[k] is None:
+            continue
+        v = cfg[k]
+        if not isinstance(v, int) or isinstance(v, bool):
+            out.append(f"config.json {k} is {v!r}, not an integer")
+        elif not 0 < v <= limit:
+            out.append(f"config.json {k} is {v}, outside 1..{limit}")
+    if out:
+        return out
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv:
+        out.append(f"config.json num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+        out.append(f"config.json num_attention_heads {heads} does not divide hidden_size {cfg['hidden_size']}")
+    return out
+
+
+def expected_parameters(hf_config: dict) -> tuple[dict[str, list[int]], list[set[str]]]:
+    """{parameter name: shape} of the model the config describes (a meta-device skeleton: no memory), and the
+    groups of names that share one tensor (tied embeddings: one of each group must be stored)."""
+    from transformers import AutoConfig
+
+    from qtk.model.source import meta_skeleton
+
+    cfg = dict(hf_config)
+    cfg.pop("quantization_config", None)
+    model_type = cfg.pop("model_type", None)
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+        model = meta_skeleton(config)
+    except QtkError:
+        raise
+    except Exception as e:  # transformers' config validation raises many types
+        from qtk.errors import CheckFailed
+
+        raise CheckFailed(f"config.json cannot be read by transformers ({e.__class__.__name__}: {' '.join(str(e).split())[:160]})",
+                          "the checkpoint is damaged or was edited: re-run qtk convert") from None
+    shapes, groups = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shapes[name] = list(p.shape)
+        groups.setdefault(id(p), set()).add(name)
+    return shapes, list(groups.values())
+
+
+# ---- the reference a written weight is compared with ----
+
+def layer_of(module: str, arch) -> int | None:
+    prefix = arch.layers + "."
+    if not module.startswith(prefix):
+        return None
+    head = module[len(prefix):].partition(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+def smoothing_scales(records: dict | None) -> dict[str, list[float]]:
+    """A layer's smoothing scales as the pipeline recorded them: {prev: s} (SmoothQuant s, or AWQ's chosen s)."""
+    records = records or {}
+    out = {k: v for k, v in (records.get("smoothquant") or {}).items() if v}
+    out.update({k: v for k, v in ((records.get("awq") or {}).get("s") or {}).items() if v})
+    return out
+
+
+def frame_unknown(records: dict | None) -> bool:
+    """AWQ rescaled this layer but its records hold only the chosen ratio, not the scales (a checkpoint written
+    before qtk recorded them): the frame its weights were quantized in cannot be rebuilt from the source."""
+    awq = (records or {}).get("awq") or {}
+    return any(r is not None for r in (awq.get("scales") or {}).values()) and not awq.get("s")
+
+
+def smoothed_weight(W, rel: str, arch, scales: dict[str, list[float]]):
+    """The source weight of Linear `rel` (relative to its layer) in the frame it was quantized in: the recorded
+    smoothing scales folded in as the pipeline folds them (same functions, same order), float32. AWQ's clipping is
+    not undone: the error against this reference counts clipping as part of the quantization error."""
+    import torch
+
+    from qtk.algorithms.smooth import fold_into_linear_rows, scale_linear_columns
+
+    W = W.float()
+    for pair in arch.smoothing:
+        s = scales.get(pair.prev)
+        if not s:
+            continue
+        if not pair.prev_is_norm and rel == pair.prev:
+            W = fold_into_linear_rows(W, None, torch.tensor(s, dtype=torch.float32))[0]
+        if rel in pair.nexts:
+            W = scale_linear_columns(W, torch.tensor(s, dtype=torch.float32))
+    return W
+
+
+def reference_weight(source, module: str, arch, layer_records: dict | None):
+    """float32 [out, in]: the source weight of `module` as the quantizer saw it (model dtype, smoothing folded)."""
+    from qtk.pipeline import compute_dtype
+
+    W = source.tensor(f"{module}.weight").to(compute_dtype(source)).float()
+    i = layer_of(module, arch)
+    scales = smoothing_scales(layer_records)
+    if i is None or not scales:
+        return W
+    return smoothed_weight(W, module[len(f"{arch.layers}.{i}."):], arch, scales)
+
+
+def relative_error(w, ref) -> float:
+    return float((w.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+# ---- the checks ----
+
+def checkpoint_arch(ck):
+    from qtk.model.arch import ARCHS, arch_for
+
+    mt = ck.hf_config.get("model_type")
+    return arch_for(mt, ck.hf_config) if mt in ARCHS else None
+
+
+def expected_quantized(ck, arch, recipe) -> list[str]:
+    """Linears of every decoder layer per the architecture table, less the recipe's ignore (when known) or else
+    the checkpoint's own exclusions."""
+    from qtk.pipeline import matches
+
+    ignore = list(recipe.ignore) if recipe is not None else ck.ignore_patterns()
+    n = int(ck.hf_config["num_hidden_layers"])
+    return [f"{arch.layers}.{i}.{lin}" for i in range(n) for lin in arch.linears
+            if not matches(f"{arch.layers}.{i}.{lin}", ignore)]
+
+
+def _kv_bounds(ck, arch, layer: int, rownorm: dict, dense_stats: dict) -> tuple[float, float] | None:
+    """Upper bounds of |K after RoPE| and |V| in layer `layer` from its weights alone (Cauchy-Schwarz): an RMS-normed
+    input x has ||x|| <= sqrt(hidden) * max|norm weight|, so |k_r| <= ||W_k row r|| ||x|| + |b_r|, and RoPE rotates
+    pairs, which grows one component by at most sqrt(2). A per-head k_norm bounds it by sqrt(head_dim) max|its weight|."""
+    cfg = ck.hf_config
+    p = f"{arch.layers}.{layer}."
+    gamma = dense_stats.get(f"{p}input_layernorm.weight")
+    if gamma is None:
+        return None
+    x_norm = math.sqrt(int(cfg["hidden_size"])) * gamma
+    out = []
+    for which in ("k_proj", "v_proj"):
+        src = next((f"{p}{arch.attn}.{n}" for n in (which, "qkv_proj") if f"{arch.attn}.{n}" in arch.linears), None)
+        if src is None or src not in rownorm:
+            return None
+        b = dense_stats.get(f"{src}.bias", 0.0)
+        bound = rownorm[src] * x_norm + b
+        if which == "k_proj":
+            bound *= math.sqrt(2)
+            kn = dense_stats.get(f"{p}{arch.attn}.k_norm.weight")
+            if kn is not None:
+                hd = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+                bound = min(bound, math.sqrt(hd) * kn)
+        out.append(bound)
+    return out[0], out[1]
+
+
+def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> CheckReport:
+    """Judge the checkpoint `ck` (a reader from qtk.export.open_checkpoint) from its bytes.
+
+    source: the model it was converted from (qtk.model.source.ModelSource), for the per-Linear comparison; without
+    it that check is reported as skipped, with `source_note` saying why. recipe: the recipe it was converted with
+    (default: the one qtk.json records), for the set of Linears that must be quantized."""
+    import torch
+
+    rep = CheckReport()
+    cfg_problems = config_problems(ck.hf_config)
+    rep.add("config.json sizes are sane", cfg_problems)
+    if cfg_problems:
+        return rep
+    manifest = ck.manifest
+    if ck.manifest_error:
+        rep.add("qtk.json readable", [ck.manifest_error])
+    if recipe is None and manifest:
+        recipe = _manifest_recipe(manifest)
+    shapes, tied = expected_parameters(ck.hf_config)
+    arch = checkpoint_arch(ck)
+    structure: list[str] = list(ck.format_problems())
+    try:
+        mods = ck.modules()
+    except QtkError as e:
+        rep.add(STRUCTURE, [str(e.problem)])
+        return rep
+
+    # ---- every quantized Linear, one at a time
+    recorded = ((manifest or {}).get("stats") or {}).get("weight_error") or {}
+    algo_records = ((manifest or {}).get("stats") or {}).get("algorithm") or {}
+    bound = MAX_REL_ERROR.get((ck.weights_scheme.type, ck.weights_scheme.num_bits), math.inf)
+    bad_scale, constant, off_grid, implausible, compare, act, uncompared = [], [], [], [], [], [], []
+    rownorm: dict[str, float] = {}
+    for m in mods:
+        shape = shapes.get(f"{m}.weight")
+        if shape is None or len(shape) != 2:
+            structure.append(f"{m}: quantized tensors for a module the config does not have")
+            continue
+        try:
+            problems = ck.check_module(m, tuple(shape))
+            if problems:
+                structure.extend(problems)
+                continue
+            qt = ck.qtensor(m)
+            if tuple(qt.shape) != tuple(shape):
+                structure.append(f"{m} decodes to {list(qt.shape)}, the config implies {shape}")
+                continue
+            w = ck.written_weight(m, qt)
+            in_scale = ck.input_scale(m) if (ck.activations is not None and not ck.activations.dynamic) else None
+        except QtkError as e:
+            structure.append(f"{m}: {e.problem}")
+            continue
+        except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:  # tensors that do not fit together
+            structure.append(f"{m} cannot be decoded ({e.__class__.__name__}: {' '.join(str(e).split())[:120]})")
+            continue
+        s = qt.scheme
+        rep.modules[m] = f"{str(qt.values.dtype).replace('torch.', '')} {list(qt.shape)} {s.describe()}"
+        if not (torch.isfinite(qt.scale).all() and (qt.scale > 0).all()):
+            bad_scale.append(m)
+        v = qt.values.reshape(-1)
+        if v.numel() > 1 and bool((v == v[0]).all()):
+            constant.append(f"{m}: every quantized value is {v[0].item()} (collapsed)")
+        if not s.is_fp8 and v.numel() and (int(v.min()) < s.qmin or int(v.max()) > s.qmax):
+            off_grid.append(f"{m} holds values {int(v.min())}..{int(v.max())}, outside int{s.num_bits}'s {s.qmin}..{s.qmax}")
+        amax = float(w.abs().max()) if w.numel() else 0.0
+        if not math.isfinite(amax) or amax > WEIGHT_RANGE[1] or 0 < amax < WEIGHT_RANGE[0]:
+            implausible.append(f"{m} decodes to weights up to {amax:.3g} (scale {float(qt.scale.abs().max()):.3g}), "
+                               f"outside {WEIGHT_RANGE[0]:g}..{WEIGHT_RANGE[1]:g}")
+        if in_scale is not None:
+            qmax = 448.0 if ck.activations.is_fp8 else float(ck.activations.qmax)
+            a = float(in_scale.reshape(-1)[0]) * qmax
+            if not (math.isfinite(a) and ACT_RANGE[0] < a < ACT_RANGE[1]):
+                act.append(f"{m}.input_scale implies activations up to {a:.3g}")
+        if arch is not None and m.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "qkv_proj"):
+            rownorm[m] = float(w.norm(dim=1).max())
+        if source is not None and arch is not None:
+            layer_records = algo_records.get(str(layer_of(m, arch)))
+            if frame_unknown(layer_records):
+                uncompared.append(m)
+                continue
+            try:
+                ref = reference_weight(source, m, arch, layer_records)
+            except QtkError as e:
+                compare.append(f"{m}: the source has no such weight ({e.problem})")
+                continue
+            if list(ref.shape) != list(w.shape):
+                compare.append(f"{m}: the source weight is {list(ref.shape)}, the checkpoint's {list(w.shape)} "
+                               "(is the source the model it was converted from?)")
+                continue
+            err = rep.errors[m] = relative_error(w, ref)
+            if not err <= bound:
+                compare.append(f"{m}: error {err:.3f} against the source exceeds {bound} for {s.describe()}")
+            elif m in recorded and not abs(err - float(recorded[m])) <= MANIFEST_TOLERANCE:
+                compare.append(f"{m}: error {err:.4f} on disk, qtk.json recorded {float(recorded[m]):.4f}")
+            elif recorded and m not in recorded:
+                compare.append(f"{m}: qtk.json records no error for it")
+        del qt, w
+
+    # ---- dense tensors, one at a time
+    quantized = set(mods)
+    dense_seen, nonfinite = set(), []
+    stats: dict[str, float] = {}  # norm weights' max |effective value|, biases' max |b|, dense k/v row norms
+    one_plus = bool(arch is not None and arch.norm_one_plus)
+    try:
+        for name, t in ck.iter_dense():
+            dense_seen.add(name)
+            want = shapes.get(name)
+            if want is None:
+                structure.append(f"{name} is not a tensor of this model (config: {ck.hf_config.get('model_type')})")
+                continue
+            if list(t.shape) != want:
+                structure.append(f"{name} has shape {list(t.shape)}, the config implies {want}")
+                continue
+            if not t.is_floating_point():
+                structure.append(f"{name} is stored as {str(t.dtype).replace('torch.', '')}, not a float tensor")
+                continue
+            tf = t.float()
+            if not torch.isfinite(tf).all():
+                nonfinite.append(name)
+                continue
+            if name.endswith("norm.weight"):
+                stats[name] = float(((1 + tf) if one_plus else tf).abs().max())
+            elif name.endswith(".bias"):
+                stats[name] = float(tf.abs().max())
+            elif arch is not None and name.endswith(("k_proj.weight", "v_proj.weight", "qkv_proj.weight")):
+                rownorm[name[: -len(".weight")]] = float(tf.norm(dim=1).max())
+            del t, tf
+    except QtkError as e:
+        structure.append(str(e.problem))
+    for group in tied:
+        names = sorted(group)
+        if any(n in dense_seen or (n.endswith(".weight") and n[: -len(".weight")] in quantized) for n in names):
+            continue
+        structure.append(f"{names[0]} is missing (the config's model needs it)")
+    rep.add(STRUCTURE, structure,
+            f"{len(mods)} quantized Linears, {len(dense_seen)} dense tensors")
+
+    # ---- coverage: what the recipe quantizes is quantized, and the config says so
+    if arch is not None:
+        expected = expected_quantized(ck, arch, recipe)
+        missing = [m for m in expected if m not in quantized]
+        hidden = [m for m in mods if _ignored(m, ck)]
+        problems = [f"not quantized: {', '.join(missing[:5])}"] if missing else []
+        problems += [f"the config's ignore covers {m}, which holds quantized tensors" for m in hidden[:3]]
+        rep.add("every targeted Linear is quantized", problems, f"{len(mods)} quantized")
+    rep.add("weight scales finite and positive", bad_scale)
+    rep.add("quantized weights not constant", constant)
+    rep.add("weights decode to plausible values", off_grid + implausible)
+    if source is not None and arch is not None:
+        detail = f"{len(rep.errors)} Linears, max error {max(rep.errors.values(), default=0):.4f}"
+        if recorded:
+            detail += f", within {MANIFEST_TOLERANCE:g} of qtk.json"
+        if uncompared:
+            detail += f"; {len(uncompared)} not compared (qtk.json holds no AWQ scales for their layers: an older qtk wrote it)"
+        rep.add("written weights match the source", compare, detail)
+    else:
+        rep.checks.append(Check("written weights match the source", True,
+                                f"skipped: {source_note or 'no source model given'}", skipped=True))
+
+    # ---- KV cache and activation scales
+    n_layers = int(ck.hf_config["num_hidden_layers"])
+    if ck.kv_cache:
+        _check_kv(ck, arch, n_layers, rownorm, stats, rep)
+    if ck.activations is not None and not ck.activations.dynamic:
+        no_in = [m for m in rep.modules if ck.input_scale(m) is None]
+        rep.add("static activation scales present and plausible", [f"{m}.input_scale is missing" for m in no_in[:3]] + act)
+    rep.add("dense tensors finite", [f"{n} has NaN/Inf" for n in nonfinite])
+    return rep
+
+
+def _ignored(module: str, ck) -> bool:
+    from qtk.pipeline import matches
+
+    return matches(module, ck.ignore_patterns())
+
+
+def _check_kv(ck, arch, n_layers: int, rownorm: dict, stats: dict, rep: CheckReport) -> None:
+    qmax = 448.0 if ck.kv_cache == "fp8" else 127.0
+    floor = getattr(ck, "kv_scale_floor", None)  # TensorRT-LLM's FP8 factors are clamped to >= 1.0
+    absent, bad, implausible, vals = [], [], [], []
+    for i in range(n_layers):
+        try:
+            sc = ck.kv_scales(i)
+        except QtkError as e:
+            absent.append(str(e.problem))
+            continue
+        if sc is None:
+            absent.append(f"{ck.kv_tensor_names(i)} missing (the config declares an {ck.kv_cache} KV cache)")
+            continue
+        vals += list(sc)
+        if not all(x > 0 and math.isfinite(x) for x in sc):
+            bad.append(f"{ck.kv_tensor_names(i)} = {sc[0]:.3g}, {sc[1]:.3g}")
+            continue
+        rep.kv_amax[i] = [sc[0] * qmax, sc[1] * qmax]
+        bounds = None if arch is None else _kv_bounds(ck, arch, i, rownorm, stats)
+        if bounds is None:
+            continue
+        if ck.format == "trtllm":  # one factor for K and V
+            bounds = (max(bounds), max(bounds))
+        for what, s, b in (("K", sc[0], bounds[0]), ("V", sc[1], bounds[1])):
+            implied = s * qmax
+            if floor is not None and s <= floor:
+                continue  # clamped up to the floor: says nothing about the calibrated range
+            if implied > b * KV_SLACK:
+                implausible.append(f"{ck.kv_tensor_names(i)}: {what} scale {s:.3g} implies |{what}| up to {implied:.3g}, "
+                                   f"but the layer's weights bound it by {b:.3g}")
+            elif implied < b * KV_FLOOR_RATIO:
+                implausible.append(f"{ck.kv_tensor_names(i)}: {what} scale {s:.3g} implies |{what}| up to {implied:.3g}, "
+                                   f"{b / implied:.1e} times below what the weights allow")
+    rep.add("KV scales present for every layer", absent, f"{n_layers} layers")
+    # scales floored at 1.0 by the format (TensorRT-LLM FP8 KV) cannot show calibration
+    all_one = bool(vals) and all(abs(x - 1.0) < 1e-12 for x in vals) and floor != 1.0
+    rep.add("KV scales calibrated (not all 1.0, finite, positive)",
+            (["all k/v scales are 1.0: uncalibrated"] if all_one else []) + bad)
+    rep.add("KV scales plausible against the weights", implausible)
+
+
+def _manifest_recipe(manifest: dict):
+    from qtk.recipe import parse_recipe
+
+    text = ((manifest.get("recipe") or {}).get("text")) or ""
+    if not text:
+        return None
+    try:
+        import yaml
+
+        return parse_recipe(yaml.safe_load(text), text=text, origin="qtk.json recipe")
+    except Exception:  # a recipe this qtk cannot parse (another version): fall back to the checkpoint's own ignore
+        return None

@@ -182,13 +182,15 @@ def _next_steps(outputs: dict, model: str) -> None:
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--modules", "show_modules", is_flag=True, help="List every quantized module.")
-def inspect(checkpoint, as_json, show_modules):
-    """Summarise a written checkpoint and check it. Exit 1 when a check fails."""
+@click.option("--source", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="The model it was converted from, to compare every written Linear with [default: the path qtk.json records].")
+def inspect(checkpoint, as_json, show_modules, source):
+    """Summarise a written checkpoint and check it from its bytes. Exit 1 when a check fails."""
     import json
 
     from qtk import api
 
-    rep = api.inspect(checkpoint)
+    rep = api.inspect(checkpoint, source=source)
     if as_json:
         click.echo(json.dumps({"path": str(rep.path), "summary": rep.summary, "ok": rep.ok,
                                "checks": [c.__dict__ for c in rep.checks], "modules": rep.modules}, indent=2))
@@ -207,7 +209,15 @@ def inspect(checkpoint, as_json, show_modules):
                 mt.add_row(m, d)
             con.print(mt)
         for c in rep.checks:
-            con.print(f"[{'green' if c.ok else 'red'}]{'PASS' if c.ok else 'FAIL'}[/] {c.name}" + (f"  ({c.detail})" if c.detail else ""))
+            from rich.markup import escape
+
+            tag = "[yellow]SKIP[/]" if c.skipped else ("[green]PASS[/]" if c.ok else "[red]FAIL[/]")
+            con.print(f"{tag} {escape(c.name)}" + (f"  ({escape(c.detail)})" if c.detail else ""), highlight=False)
+    if not rep.ok and not as_json:  # the report above has every check; one line on stderr says what failed first
+        bad = [c for c in rep.checks if not c.ok]
+        click.echo(f"error: {bad[0].name}: {bad[0].detail} — {len(bad)} of {len(rep.checks)} checks failed "
+                   f"(report above); the checkpoint is not what its config and qtk.json say", err=True)
+        sys.exit(1)
     if not rep.ok:
         sys.exit(1)
 

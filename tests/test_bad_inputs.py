@@ -129,6 +129,31 @@ CATALOGUE = {
     "output-locked": "-o that another running qtk convert is writing",
     "disk-full-resume": "disk full while saving resume state (--resume)",
     "resume-state-damaged": "--resume over a saved layer whose bytes were changed",
+    # written checkpoints: `qtk inspect` (and `qtk eval`) judge the bytes, not the config (exit 1)
+    "ckpt-fp8-over-int8": "checkpoint config claims fp8 weights over int8 tensors",
+    "ckpt-int4-over-int8": "checkpoint config claims int4 weights over packed int8 tensors",
+    "ckpt-ignore-hides": "checkpoint config's ignore lists a quantized module",
+    "ckpt-int8-as-f32": "int8 weight stored as F32",
+    "ckpt-kv-scale-missing": "k_scale deleted although the config declares an FP8 KV cache",
+    "eval-kv-scale-missing": "qtk eval of that checkpoint (it would run without KV quantization)",
+    "ckpt-k-scale-implausible": "k_scale of 1e6, far beyond what the layer's weights allow",
+    "eval-k-scale-implausible": "qtk eval of that checkpoint",
+    "ckpt-scale-huge": "weight scale multiplied by 1e30",
+    "ckpt-scale-tiny": "weight scale multiplied by 1e-30",
+    "ckpt-tensor-deleted": "a quantized tensor deleted (weight_packed)",
+    "ckpt-embedding-deleted": "the embedding deleted",
+    "ckpt-wrong-shape": "a weight scale of the wrong shape",
+    "ckpt-strategy-contradicts": "config says group-wise, the scales are per channel",
+    "ckpt-truncated": "checkpoint shard truncated",
+    "ckpt-index-bad": "checkpoint index that is not valid JSON",
+    "ckpt-manifest-bad": "qtk.json that is not valid JSON",
+    "ckpt-header-shape-null": "safetensors header with shape null",
+    "ckpt-header-string-offsets": "safetensors header with string data_offsets",
+    "ckpt-hidden-size-float": "checkpoint config hidden_size 1e9",
+    "ckpt-hidden-size-negative": "checkpoint config hidden_size -128",
+    "ckpt-scale-mismatch": "a weight scale 1% off what was measured (the bytes disagree with qtk.json)",
+    "source-bool-weights": "bool weights in the source model",
+    "source-int32-weights": "int32 weights in the source model",
 }
 SEEN: dict[str, tuple[int, str]] = {}  # id -> (exit code, message with paths shortened)
 
@@ -750,6 +775,136 @@ def test_damaged_resume_state_refused(tmp_path, tiny_llama, calib_file, monkeypa
     code, out = cli(*args)
     expect("resume-state-damaged", code, out, tmp_path, "resume state in <tmp>/out/.qtk-resume is damaged",
            "layer-00000/tensors.safetensors does not match its manifest", "delete <tmp>/out/.qtk-resume")
+# ---- written checkpoints: qtk inspect and qtk eval judge the bytes, not the config ----
+
+
+@pytest.fixture(scope="module")
+def written(tiny_llama, calib_file, tmp_path_factory) -> dict[str, Path]:
+    """Reference outputs to tamper with: pack-quantized int8 (w8a16), float-quantized with an FP8 KV cache (fp8-kv8),
+    int-quantized int8 (w8a8-sq)."""
+    root = tmp_path_factory.mktemp("written")
+    out = {}
+    for recipe in ("w8a16", "fp8-kv8", "w8a8-sq"):
+        code, output = cli("convert", tiny_llama, "--recipe", recipe, "-o", root / recipe, "--calib", calib_file,
+                           "--num-samples", "4", "--seq-len", "32", "--no-hash")
+        assert code == 0, output
+        out[recipe] = root / recipe / "vllm"
+    return out
+
+
+def inspect_cli(d: Path, *extra) -> tuple[int, str]:
+    """`qtk inspect`: its report goes to stdout; what failed is the one line on stderr."""
+    r = CliRunner().invoke(main, ["inspect", str(d), *map(str, extra)], prog_name="qtk")
+    assert "Traceback" not in r.output, r.output
+    return r.exit_code, r.stderr
+
+
+def edit_qconfig(d: Path, fn) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_header(f: Path, fn) -> None:
+    """Rewrite a safetensors file's JSON header (the data stays where its offsets say)."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8: 8 + n])
+    fn(header)
+    new = json.dumps(header).encode()
+    f.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+M = "model.layers.0.mlp.down_proj"  # the first quantized module in sorted order
+
+
+def _group(cfg):
+    return cfg["quantization_config"]["config_groups"]["group_0"]
+
+
+def _scale(sd, factor, name=f"{M}.weight_scale"):
+    sd[name] = (sd[name].float() * factor).to(sd[name].dtype)
+
+
+CHECKPOINT_CASES = [
+    ("ckpt-fp8-over-int8", "w8a8-sq",
+     lambda d: edit_qconfig(d, lambda c: (_group(c)["weights"].update(type="float"), c["quantization_config"].update(format="float-quantized"))),
+     (f"{M}.weight is stored as int8", "float8_e4m3fn")),
+    ("ckpt-int4-over-int8", "w8a16", lambda d: edit_qconfig(d, lambda c: _group(c)["weights"].update(num_bits=4)),
+     (f"{M}.weight_packed has shape", "expected")),
+    ("ckpt-ignore-hides", "w8a16",
+     lambda d: edit_qconfig(d, lambda c: c["quantization_config"]["ignore"].append("model.layers.0.self_attn.q_proj")),
+     ("ignore covers model.layers.0.self_attn.q_proj", "holds quantized tensors")),
+    ("ckpt-int8-as-f32", "w8a8-sq", lambda d: edit_weights(d, lambda sd: sd.update({f"{M}.weight": sd[f"{M}.weight"].float()})),
+     (f"{M}.weight is stored as float32", "needs int8")),
+    ("ckpt-kv-scale-missing", "fp8-kv8", lambda d: edit_weights(d, lambda sd: sd.pop("model.layers.1.self_attn.k_scale")),
+     ("model.layers.1.self_attn.k_scale", "missing", "declares an fp8 KV cache")),
+    ("ckpt-k-scale-implausible", "fp8-kv8",
+     lambda d: edit_weights(d, lambda sd: sd.update({"model.layers.1.self_attn.k_scale": torch.tensor([1e6])})),
+     ("model.layers.1.self_attn.k_scale", "K scale 1e+06", "weights bound it by")),
+    ("ckpt-scale-huge", "w8a16", lambda d: edit_weights(d, lambda sd: _scale(sd, 1e30)), (M, "decodes to weights up to")),
+    ("ckpt-scale-tiny", "w8a16", lambda d: edit_weights(d, lambda sd: _scale(sd, 1e-30)), (M, "decodes to weights up to")),
+    ("ckpt-tensor-deleted", "w8a16", lambda d: edit_weights(d, lambda sd: sd.pop(f"{M}.weight_packed")),
+     (f"{M}.weight_packed is missing",)),
+    ("ckpt-embedding-deleted", "w8a16", lambda d: edit_weights(d, lambda sd: sd.pop("model.embed_tokens.weight")),
+     ("model.embed_tokens.weight is missing",)),
+    ("ckpt-wrong-shape", "w8a16", lambda d: edit_weights(d, lambda sd: sd.update({f"{M}.weight_scale": sd[f"{M}.weight_scale"].reshape(1, -1)})),
+     (f"{M}.weight_scale has shape [1, 128]", "expected [128, 1]")),
+    ("ckpt-strategy-contradicts", "w8a16",
+     lambda d: edit_qconfig(d, lambda c: _group(c)["weights"].update(strategy="group", group_size=64)),
+     (f"{M}.weight_scale has shape [128, 1]", "group64")),
+    ("ckpt-truncated", "w8a16", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-1000]),
+     ("model.safetensors is not a readable safetensors file", "re-run qtk convert")),
+    ("ckpt-index-bad", "w8a16", lambda d: (d / "model.safetensors.index.json").write_text("{not json"),
+     ("model.safetensors.index.json is not valid JSON", "re-run qtk convert")),
+    ("ckpt-manifest-bad", "w8a16", lambda d: (d / "qtk.json").write_text("{not json"), ("qtk.json is not valid JSON",)),
+    ("ckpt-header-shape-null", "w8a16",
+     lambda d: edit_header(d / "model.safetensors", lambda h: h[f"{M}.weight_scale"].update(shape=None)),
+     ("bad header entry", f"{M}.weight_scale", "shape None")),
+    ("ckpt-header-string-offsets", "w8a16",
+     lambda d: edit_header(d / "model.safetensors", lambda h: h[f"{M}.weight_scale"].update(
+         data_offsets=[str(x) for x in h[f"{M}.weight_scale"]["data_offsets"]])),
+     ("bad header entry", f"{M}.weight_scale", "data_offsets ['")),
+    ("ckpt-hidden-size-float", "w8a16", lambda d: edit_qconfig(d, lambda c: c.update(hidden_size=1e9)),
+     ("hidden_size is 1000000000.0, not an integer",)),
+    ("ckpt-hidden-size-negative", "w8a16", lambda d: edit_qconfig(d, lambda c: c.update(hidden_size=-128)),
+     ("hidden_size is -128, outside",)),
+    ("ckpt-scale-mismatch", "w8a16", lambda d: edit_weights(d, lambda sd: _scale(sd, 1.01)),
+     (M, "on disk, qtk.json recorded")),
+]
+
+
+@pytest.mark.parametrize("case,recipe,tamper,needles", CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES])
+def test_tampered_checkpoint_fails_inspect(tmp_path, written, case, recipe, tamper, needles):
+    d = Path(shutil.copytree(written[recipe], tmp_path / "vllm"))
+    assert inspect_cli(d)[0] == 0  # the untouched copy passes
+    tamper(d)
+    code, err = inspect_cli(d)
+    expect(case, code, err, tmp_path, *needles, exit_code=1)
+
+
+@pytest.mark.parametrize("case,tamper_case,needles", [
+    ("eval-kv-scale-missing", "ckpt-kv-scale-missing", ("model.layers.1.self_attn.k_scale", "missing", "qtk inspect")),
+    ("eval-k-scale-implausible", "ckpt-k-scale-implausible", ("model.layers.1.self_attn.k_scale", "weights bound it by")),
+])
+def test_eval_refuses_what_inspect_fails(tmp_path, written, tiny_llama, case, tamper_case, needles):
+    """`qtk eval` runs the same checks before judging accuracy: a missing or broken k_scale would otherwise be
+    evaluated with a KV cache the engine never runs."""
+    _, recipe, tamper, _ = next(c for c in CHECKPOINT_CASES if c[0] == tamper_case)
+    d = Path(shutil.copytree(written[recipe], tmp_path / "vllm"))
+    tamper(d)
+    (tmp_path / "ppl.jsonl").write_text(json.dumps({"text": "alpha beta gamma delta"}) + "\n")
+    (tmp_path / "tasks.yaml").write_text(f"tasks:\n  - {{name: ppl, type: perplexity, data: {tmp_path / 'ppl.jsonl'}}}\n")
+    code, out = cli("eval", d, "--baseline", tiny_llama, "--tasks", tmp_path / "tasks.yaml", "--no-cache")
+    out = "\n".join(line for line in out.splitlines() if not line.startswith("[qtk eval]"))  # progress lines
+    expect(case, code, out, tmp_path, *needles, exit_code=1)
+
+
+@pytest.mark.parametrize("case,dtype", [("source-bool-weights", torch.bool), ("source-int32-weights", torch.int32)])
+def test_integer_source_weights_refused(tmp_path, model, case, dtype):
+    edit_weights(model, lambda sd: sd.update({f"{M}.weight": (sd[f"{M}.weight"] > 0).to(dtype)}))
+    code, out = convert(tmp_path, model)
+    expect(case, code, out, tmp_path, f"tensor {M}.weight is stored as {str(dtype)[6:]}", "original (bf16/fp16/fp32) model")
 
 
 # ---- docs/errors.md ----

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from qtk.errors import CheckFailed, UsageError
+from qtk.errors import CheckFailed, QtkError, UsageError
 
 SCHEMA = "qtk.eval/1"
 
@@ -100,7 +100,8 @@ class GateResult:
     failures: list[str]
     notes: list[str] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
-    manifest: dict | None = None  # the candidate's qtk.json (for the plot)
+    manifest: dict | None = None  # the candidate's qtk.json
+    measured: dict | None = None  # errors and KV ranges measured from the written checkpoint (for the plot)
 
     @property
     def exit_code(self) -> int:
@@ -298,6 +299,8 @@ def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, s
     ckpt = open_checkpoint(cand)
     _check_same_model(ckpt, base_cfg, base, cand)
     notes: list[str] = []
+    say("checking the checkpoint")
+    measured = validate_candidate(ckpt, base if plot else None, notes)
 
     say("loading tasks")
     t0 = time.perf_counter()
@@ -427,9 +430,37 @@ def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, s
         engine={**settings, "cache_dir": str(root) if use_cache else None, "bootstrap": bootstrap,
                 "baseline_cached": sorted(cached)},
         tasks=verdicts, agreement=agree, contamination=cont, failures=failures, notes=notes,
-        timings={k: round(v, 3) for k, v in timings.items()}, manifest=manifest)
+        timings={k: round(v, 3) for k, v in timings.items()}, manifest=manifest, measured=measured)
     write_reports(result, json_path=json_path, junit=junit, markdown=markdown, plot=plot)
     return result
+
+
+def validate_candidate(ckpt, source_dir: Path | None, notes: list[str]) -> dict:
+    """The checks `qtk inspect` runs (qtk.checks), before anything is evaluated: a tensor whose dtype or shape
+    contradicts the config, a missing or implausible k/v scale (the engine would run without KV quantization, or
+    with a broken one), a malformed tensor is CheckFailed naming it, exit 1. With source_dir (the baseline, for
+    --plot) every Linear is also compared with it; what that finds is noted, not failed: the accuracy is judged
+    below. Returns the errors and KV ranges measured from the bytes, for the plot."""
+    from qtk.checks import check_checkpoint
+
+    source, why = None, "no --plot"
+    if source_dir is not None:
+        from qtk.model.source import ModelSource
+
+        try:
+            source = ModelSource(source_dir)
+        except QtkError as e:
+            why = f"the baseline cannot be read as a source model ({e.problem})"
+            notes.append(f"plot: weight errors not measured: {why}")
+    rep = check_checkpoint(ckpt, source=source, source_note=why)
+    for c in rep.checks:
+        if c.ok:
+            continue
+        if c.name == "written weights match the source":
+            notes.append(f"the written weights differ from the baseline's: {c.detail}")
+            continue
+        raise CheckFailed(f"{ckpt.path}: {c.name}: {c.detail}", f"run qtk inspect {ckpt.path} for the full report")
+    return {"weight_error": rep.errors, "kv_amax": rep.kv_amax}
 
 
 def _make_engine(engine: str, path: Path, ckpt, kw: dict):
@@ -456,4 +487,5 @@ def write_reports(result: GateResult, *, json_path=None, junit=None, markdown=No
     if markdown:
         report.write_markdown(result, markdown)
     if plot:
-        report.write_plot(result.manifest, plot, title=f"{result.candidate.get('recipe') or ''} {result.candidate['path']}".strip())
+        report.write_plot({"stats": result.measured or {}}, plot,
+                          title=f"{result.candidate.get('recipe') or ''} {result.candidate['path']}".strip())

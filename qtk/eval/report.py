@@ -161,8 +161,10 @@ def write_markdown(result, path) -> None:
 
 
 def write_plot(manifest: dict | None, path, title: str = "") -> bool:
-    """Per-layer relative weight error (one line per projection) and K/V amax per layer, from qtk.json's stats.
-    Returns False (and writes nothing) when the checkpoint carries no statistics."""
+    """Per-layer relative weight error (one line per projection) and K/V amax per layer, from {"stats": {...}}:
+    `qtk eval` passes what it measured from the written checkpoint (errors against the baseline's weights, the
+    ranges the written k/v scales imply), not what qtk.json claims. Returns False (and writes nothing) when
+    there is nothing to draw."""
     stats = (manifest or {}).get("stats") or {}
     werr, kv = stats.get("weight_error") or {}, stats.get("kv_amax") or {}
     if not werr and not kv:
@@ -189,7 +191,7 @@ def write_plot(manifest: dict | None, path, title: str = "") -> bool:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=proj)
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("‖W − Q(W)‖ / ‖W‖")
-    ax.set_title(f"weight quantization error per layer {title}".strip(), fontsize=9)
+    ax.set_title(f"weight error per layer, measured from the checkpoint {title}".strip(), fontsize=9)
     if series:
         ax.legend(fontsize=7, ncol=4)
     ax.grid(alpha=0.3)
@@ -199,8 +201,8 @@ def write_plot(manifest: dict | None, path, title: str = "") -> bool:
         ax2.plot(layers, [kv[str(i)][0] if str(i) in kv else kv[i][0] for i in layers], marker="o", label="K (after RoPE)")
         ax2.plot(layers, [kv[str(i)][1] if str(i) in kv else kv[i][1] for i in layers], marker="s", label="V")
         ax2.set_xlabel("decoder layer")
-        ax2.set_ylabel("calibrated amax")
-        ax2.set_title("KV-cache amax per layer (scale = amax/448 FP8, amax/127 INT8)", fontsize=9)
+        ax2.set_ylabel("amax (written scale × 448 or 127)")
+        ax2.set_title("KV-cache range per layer implied by the written scales", fontsize=9)
         ax2.legend(fontsize=7)
         ax2.grid(alpha=0.3)
     fig.tight_layout()

@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from qtk.errors import UsageError
+from qtk.errors import CheckFailed, QtkError, UsageError
 
 WRITERS: dict[str, type] = {}
 READERS: dict[str, type] = {}
@@ -92,5 +92,12 @@ def open_checkpoint(path: str | Path):
         raise UsageError(f"checkpoint directory {p} does not exist", "give the directory qtk convert wrote (e.g. out/vllm)")
     for reader in READERS.values():
         if reader.detect(p):
-            return reader(p)
+            try:
+                return reader(p)
+            except QtkError:
+                raise
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError, OSError) as e:
+                # a config edited or damaged: one line naming what is wrong, not a traceback
+                raise CheckFailed(f"{p}: its {reader.format} configuration is malformed ({e.__class__.__name__}: "
+                                  f"{' '.join(str(e).split())[:160]})", "the checkpoint is damaged or was edited: re-run qtk convert") from None
     raise UsageError(f"{p} is not a checkpoint qtk can read", f"readable formats: {', '.join(sorted(READERS))}")

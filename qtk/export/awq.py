@@ -19,6 +19,7 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
+from qtk.export.checkpoint import FLOATS, expect_tensor
 from qtk.export.gptq import (
     LegacyCheckpoint,
     LegacyWriter,
@@ -47,10 +48,9 @@ class AWQWriter(LegacyWriter):
         if w.num_bits != BITS or w.strategy != "group":
             raise UsageError(f"the awq target is int4 group-wise only, not {w.describe()}",
                              "use weights {num_bits: 4, strategy: group, group_size: 128}, or --target gptq / vllm")
-        gptq = recipe.step("gptq")
-        if gptq is not None and gptq.params.actorder and not gptq.params.static_groups:
-            raise UsageError("the awq layout has no g_idx, so it cannot hold GPTQ act-order groups",
-                             "set gptq static_groups: true (or actorder: false), or use --target gptq / vllm")
+        if recipe.writes_g_idx:
+            raise UsageError("the awq layout has no g_idx, so it cannot hold GPTQ actorder group",
+                             "set gptq actorder: static (no g_idx), or use --target gptq")
         notes = common_notes(cls.target, source, recipe)
         if w.symmetric:
             notes.append("AWQ kernels always subtract a zero point: the symmetric scheme is written with zero point 8 "
@@ -120,6 +120,16 @@ class AWQCheckpoint(LegacyCheckpoint):
     def ignore_patterns(self) -> list[str]:
         # substring match, as vLLM and transformers apply modules_to_not_convert
         return [f"re:.*{re.escape(m)}.*" for m in self.qconfig.get("modules_to_not_convert") or []]
+
+    def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
+        out_f, in_f = shape
+        groups = -(-in_f // self.weights_scheme.group_size)
+        problems: list[str] = []
+        expect_tensor(self, f"{module}.qweight", torch.int32, [in_f, out_f // 8], problems)
+        expect_tensor(self, f"{module}.qzeros", torch.int32, [groups, out_f // 8], problems)
+        expect_tensor(self, f"{module}.scales", FLOATS, [groups, out_f], problems,
+                      f" (group_size {self.weights_scheme.group_size})")
+        return problems
 
     def qtensor(self, module: str) -> QTensor:
         s = self.weights_scheme

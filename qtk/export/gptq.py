@@ -20,7 +20,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
-from qtk.export.checkpoint import Checkpoint
+from qtk.export.checkpoint import FLOATS, Checkpoint, expect_tensor
 from qtk.export.safetensors_io import SafetensorsFile, ShardedWriter
 from qtk.quant.pack import offset, pack_gptq_qweight, pack_gptq_qzeros, unpack_gptq_qweight, unpack_gptq_qzeros
 from qtk.quant.qtensor import QTensor
@@ -227,7 +227,7 @@ class GPTQWriter(LegacyWriter):
             # ones (true), or every Hessian from one forward of the unquantized layer (false, the default)
             "true_sequential": bool(step is not None and params.true_sequential),
             "damp_percent": params.damp_percent,
-            "static_groups": params.static_groups,
+            "static_groups": bool(step is not None and (params.static_groups or params.actorder == "static")),
             "checkpoint_format": "gptq" if self.v1 else "gptq_v2",
             "lm_head": False,
             "pack_dtype": "int32",
@@ -304,14 +304,13 @@ class LegacyCheckpoint(Checkpoint):
     def modules(self) -> list[str]:
         return sorted(n[: -len(".qweight")] for n in self.tensor_names() if n.endswith(".qweight"))
 
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+    def dense_names(self) -> list[str]:
         qmods = set(self.modules())
-        out = {}
+        out = []
         for n in self.tensor_names():
             base, _, suffix = n.rpartition(".")
-            if base in qmods and "." + suffix in self.SUFFIXES:
-                continue
-            out[n] = self.tensor(n)
+            if not (base in qmods and "." + suffix in self.SUFFIXES):
+                out.append(n)
         return out
 
 
@@ -342,6 +341,18 @@ class GPTQCheckpoint(LegacyCheckpoint):
             if pattern.startswith("-:"):  # re.match semantics: anchored at the start only
                 out.append(f"re:(?:{pattern[2:]}).*")
         return out
+
+    def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
+        out_f, in_f = shape
+        s, per = self.weights_scheme, 32 // self.bits if self.bits in (2, 4, 8) else 0
+        groups = -(-in_f // s.group_size) if s.strategy == "group" else 1
+        problems: list[str] = []
+        expect_tensor(self, f"{module}.qweight", torch.int32, [in_f // per if per else -1, out_f], problems)
+        expect_tensor(self, f"{module}.qzeros", torch.int32, [groups, out_f // per if per else -1], problems)
+        expect_tensor(self, f"{module}.scales", FLOATS, [groups, out_f], problems, f" (group_size {s.group_size or -1})")
+        if self.has(f"{module}.g_idx"):
+            expect_tensor(self, f"{module}.g_idx", (torch.int32, torch.int64), [in_f], problems)
+        return problems
 
     def qtensor(self, module: str) -> QTensor:
         s = self.weights_scheme

@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
-from qtk.export.checkpoint import Checkpoint, config_quantization
+from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, config_quantization, expect_tensor
 from qtk.export.trtllm import AWQ_GROUP_SIZES, pack_int4_pairs, unpack_int4_pairs
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import FP8_MAX, QuantScheme
@@ -36,12 +36,14 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
     if w.is_fp8 and w.strategy == "tensor" and a is not None and not a.dynamic:
         algo, group = "FP8", None
     elif (not w.is_fp8 and a is None and w.num_bits == 4 and w.strategy == "group" and w.symmetric
-          and w.group_size in AWQ_GROUP_SIZES and not getattr(getattr(recipe.step("gptq"), "params", None), "actorder", False)):
+          and w.group_size in AWQ_GROUP_SIZES):
+        if recipe.writes_g_idx:
+            raise UsageError(f"{where}: ModelOpt's W4A16_AWQ has no g_idx for GPTQ actorder group", "set gptq actorder: static (no g_idx)")
         algo, group = "W4A16_AWQ", w.group_size
     else:
         # no fix of our own: the targets that accept the recipe are computed from their checks (qtk.export.check_targets)
         raise UsageError(f"{where}: qtk writes hf-modelopt checkpoints for FP8 (per-tensor weights, static activations) and "
-                         f"W4A16_AWQ (symmetric int4, group 64 or 128, no act-order), not {recipe.summary()}")
+                         f"W4A16_AWQ (symmetric int4, group 64 or 128), not {recipe.summary()}")
     kv = recipe.kv_cache
     if kv is not None and not kv.is_fp8:
         raise UsageError(f"{where}: ModelOpt HF checkpoints carry FP8 KV-cache scales only", "set kv_cache type: float, or use --target trtllm for INT8 KV")
@@ -90,6 +92,7 @@ class ModelOptHFWriter(Writer):
                 amax = r.input_amax[mod]
                 self.shards.add(f"{mod}.input_scale", _scalar(amax / FP8_MAX if amax > 0 else 1.0))
             else:
+                # the full int4 grid (docs/grids.md): TensorRT-LLM decodes q * s for every code -8..7
                 self.shards.add(f"{mod}.weight", pack_int4_pairs(qt.values).view(torch.uint8))
                 self.shards.add(f"{mod}.weight_scale", qt.scale.to(torch.float32))
                 if mod[len(prefix):] in self.prequant:
@@ -195,8 +198,26 @@ class ModelOptHFCheckpoint(Checkpoint):
             return None
         return float(self.tensor(k).reshape(-1)[0]), float(self.tensor(v).reshape(-1)[0])
 
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+    def kv_tensor_names(self, layer: int) -> str:
+        return f"model.layers.{layer}.self_attn.k_proj.k_scale / v_proj.v_scale"
+
+    def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
+        out_f, in_f = shape
+        problems: list[str] = []
+        if self.quant_algo == "FP8":
+            expect_tensor(self, f"{module}.weight", torch.float8_e4m3fn, [out_f, in_f], problems)
+            expect_tensor(self, f"{module}.weight_scale", torch.float32, SCALAR, problems)
+            expect_tensor(self, f"{module}.input_scale", torch.float32, SCALAR, problems, " (FP8 has static activation scales)")
+        else:
+            g = self.weights_scheme.group_size
+            expect_tensor(self, f"{module}.weight", (torch.uint8, torch.int8), [out_f // 2, in_f], problems)
+            expect_tensor(self, f"{module}.weight_scale", FLOATS, [out_f, in_f // g], problems, f" (group_size {g})")
+            if self.has(f"{module}.pre_quant_scale"):
+                expect_tensor(self, f"{module}.pre_quant_scale", FLOATS, [in_f], problems)
+        return problems
+
+    def dense_names(self) -> list[str]:
         quant_suffixes = (".weight_scale", ".input_scale", ".pre_quant_scale", ".k_scale", ".v_scale")
         qmods = set(self.modules())
-        return {n: self.tensor(n) for n in self.tensor_names()
-                if not n.endswith(quant_suffixes) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)}
+        return [n for n in self.tensor_names()
+                if not n.endswith(quant_suffixes) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)]

@@ -174,14 +174,20 @@ class SafetensorsFile:
         self.entries = header
         self.data_start = 8 + n
         for name, e in header.items():
+            # a header is untrusted input: offsets and shape must be non-negative integers (not null, strings, floats
+            # or booleans), or arithmetic on them fails far from here
             try:
                 start, end = e["data_offsets"]
                 dtype = ST_TO_TORCH[e["dtype"]]
+                shape = e["shape"]
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"bad header entry for {name}") from None
+            if not (_is_count(start) and _is_count(end) and start <= end and isinstance(shape, list)
+                    and all(_is_count(d) for d in shape)):
+                raise ValueError(f"bad header entry for {name} (shape {shape!r}, data_offsets {e['data_offsets']!r})")
             if self.data_start + end > size:
                 raise ValueError(f"tensor {name} extends past the end of the file (truncated download?)")
-            if end - start != _numel(e["shape"]) * torch.tensor([], dtype=dtype).element_size():
+            if end - start != _numel(shape) * torch.tensor([], dtype=dtype).element_size():
                 raise ValueError(f"tensor {name}: byte range does not match its shape and dtype")
         self._fd = os.open(self.path, os.O_RDONLY)
 
@@ -190,6 +196,9 @@ class SafetensorsFile:
 
     def shape(self, name: str) -> list[int]:
         return list(self.entries[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return ST_TO_TORCH[self.entries[name]["dtype"]]
 
     def get_tensor(self, name: str) -> torch.Tensor:
         e = self.entries[name]
@@ -211,6 +220,10 @@ class SafetensorsFile:
         if fd is not None:
             _close(fd)
             self._fd = None
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _numel(shape) -> int:

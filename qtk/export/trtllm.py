@@ -109,9 +109,9 @@ def trtllm_quant(recipe) -> TRTQuant:
             if w.group_size not in AWQ_GROUP_SIZES:
                 raise UsageError(f"{where}: TensorRT-LLM's group-wise int4 kernels take group_size 64 or 128, not {w.group_size}",
                                  "set weights.group_size: 128")
-            gptq = recipe.step("gptq")
-            if gptq is not None and getattr(gptq.params, "actorder", False):
-                raise UsageError(f"{where}: TensorRT-LLM's group-wise int4 kernels have no act-order (g_idx)", "set gptq actorder: false")
+            if recipe.writes_g_idx:
+                raise UsageError(f"{where}: TensorRT-LLM's group-wise int4 kernels have no g_idx for GPTQ actorder group",
+                                 "set gptq actorder: static (no g_idx)")
             algo = "W4A16_AWQ"
             if "awq" not in steps:
                 notes.append(f"TensorRT-LLM: wrote the {'/'.join(steps)} int4 group-{w.group_size} weights as W4A16_AWQ (identity "
@@ -123,11 +123,25 @@ def trtllm_quant(recipe) -> TRTQuant:
         raise UsageError(f"{where}: TensorRT-LLM has no int{w.num_bits} weight mode", "use 4- or 8-bit weights")
     if algo in PLAIN_ALGOS:
         notes.append(f"TensorRT-LLM: {algo} checkpoints hold plain weights (the dequantized qtk weights) and trtllm-build "
-                     "re-quantizes them per channel (amax scale)" + (
-                         "; GPTQ's rounding survives only in rows whose largest |q| is the maximum" if "gptq" in steps else ""))
+                     f"re-quantizes them per channel (scale amax/{2 ** (w.num_bits - 1)})" + (
+                         f"; GPTQ's rounding survives exactly only in rows that use the code {-(2 ** (w.num_bits - 1))}, "
+                         "where that scale equals qtk's" if "gptq" in steps else ""))
     kv = recipe.kv_cache
     kv_algo = None if kv is None else ("FP8" if kv.is_fp8 else "INT8")
     return TRTQuant(algo, kv_algo, w.group_size if algo == "W4A16_AWQ" else None, tuple(notes))
+
+
+def trtllm_build_weight_only(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> QTensor:
+    """What trtllm-build does to the plain weights of a W8A16 / W4A16 checkpoint (TensorRT-LLM's
+    symmetric_quantize, cutlass_preprocessors.cpp): per output row, scale = amax / 2^(b-1) (amax/128, amax/8), kept in
+    float32 to quantize, q = round-half-away-from-zero(w / scale) clamped to [-2^(b-1), 2^(b-1)-1], and the scale
+    stored in the model dtype for the kernel, which computes q * scale. Not qtk's grid (amax/127.5, amax/7.5): the
+    build re-quantizes whatever it is given, so this is the only faithful simulation of what the engine runs."""
+    wf = w.float()  # [out, in]
+    scale = wf.abs().amax(1, keepdim=True) / (1 << (scheme.num_bits - 1))  # [out, 1], float32
+    x = torch.where(scale > 0, wf / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(wf))
+    q = (x.sign() * (x.abs() + 0.5).floor()).clamp(scheme.qmin, scheme.qmax).to(torch.int8)
+    return QTensor(q, scale.to(dtype).float(), scheme, None, None, dtype)
 
 
 # ---------------------------------------------------------------- int4 packing
@@ -279,6 +293,7 @@ def linear_parts(algo: str, qt: QTensor, amax: float | None, dtype: torch.dtype,
             parts["smoother"] = Part(torch.ones(1, in_f, dtype=f32), None, 1)
         return parts
     if algo == "W4A16_AWQ":
+        # qtk's full grid (-8..7, amax/7.5; ModelOpt exports amax/7): the group-wise kernel computes q * s for any code
         return {"weight": Part(qt.values, 0, 1, pack_int4_pairs),
                 "weights_scaling_factor": Part(qt.scale.to(f32), 0, 1),
                 "prequant_scaling_factor": Part(torch.ones(in_f, dtype=dtype), None, 0)}
@@ -614,10 +629,16 @@ class TRTLLMCheckpoint(Checkpoint):
     def _file(self, rank: int):
         h = self._rank_files.get(rank)
         if h is None:
-            from safetensors import safe_open
-
-            h = self._rank_files[rank] = safe_open(str(self.path / f"rank{rank}.safetensors"), "pt")
+            h = self._rank_files[rank] = self._open(self.path / f"rank{rank}.safetensors")
         return h
+
+    def _get(self, rank: int, name: str) -> torch.Tensor:
+        if name not in self._names(rank):
+            raise self._broken(f"tensor {name} is missing from rank{rank}.safetensors")
+        try:
+            return self._file(rank).get_tensor(name)
+        except (ValueError, OSError) as e:
+            raise self._broken(f"tensor {name} cannot be read from rank{rank}.safetensors ({e})") from None
 
     def _names(self, rank: int) -> set[str]:
         if rank not in self._keys:
@@ -669,7 +690,7 @@ class TRTLLMCheckpoint(Checkpoint):
         n_comp = 3 if trt_name == QKV else 1
         comps: list[dict[str, torch.Tensor]] = [{} for _ in range(n_comp)]
         for key in keys:
-            pieces = [self._file(r).get_tensor(base + key) for r in ranks]
+            pieces = [self._get(r, base + key) for r in ranks]
             out_axis, in_axis = self._axes(key, list(pieces[0].shape))
             axis = out_axis if parallel == COLUMN else in_axis
             if n_comp == 1 or out_axis is None:
@@ -731,12 +752,51 @@ class TRTLLMCheckpoint(Checkpoint):
                     out.append(f"{self.arch.layers}.{i}.{lin}")
         return sorted(out)
 
+    def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
+        """The merged tensors of `module` against what quant_algo stores (FORMATS.md §2)."""
+        layer, trt, ci = self._trt_of(module)
+        t = self._module(layer, trt)[ci]
+        out_f, in_f = shape
+        algo, f32, problems = self.quant_algo, torch.float32, []
+        g = self.weights_scheme.group_size
+        want = {  # key -> (dtypes, shapes)
+            "FP8": {"weight": ((torch.float8_e4m3fn,), [out_f, in_f]), "weights_scaling_factor": ((f32,), [1]),
+                    "activation_scaling_factor": ((f32,), [1])},
+            "FP8_PER_CHANNEL_PER_TOKEN": {"weight": ((torch.float8_e4m3fn,), [out_f, in_f]), "per_channel_scale": ((f32,), [out_f])},
+            "W8A8_SQ_PER_CHANNEL": {"weight": ((torch.int8,), [out_f, in_f]), "weights_scaling_factor": ((f32,), [out_f]),
+                                    "activation_scaling_factor": ((f32,), [1])},
+            "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": {"weight": ((torch.int8,), [out_f, in_f]), "per_channel_scale": ((f32,), [1, out_f])},
+            "W4A16_AWQ": {"weight": ((torch.int8, torch.uint8), [out_f // 2, in_f]),
+                          "weights_scaling_factor": ((f32,), [out_f, in_f // g if g else 0])},
+        }.get(algo, {"weight": ((self.dtype,), [out_f, in_f])})
+        name = f"transformer.layers.{layer}.{trt}"
+        for key, (dtypes, sh) in want.items():
+            x = t.get(key)
+            if x is None:
+                problems.append(f"{name}.{key} is missing ({algo})")
+            elif x.dtype not in dtypes:
+                problems.append(f"{name}.{key} is stored as {str(x.dtype).replace('torch.', '')}, {algo} needs "
+                                f"{' or '.join(str(d).replace('torch.', '') for d in dtypes)}")
+            elif list(x.shape) != sh and not (key.endswith("scaling_factor") and sh == [1] and x.numel() == 1):
+                problems.append(f"{name}.{key} (merged over ranks) has shape {list(x.shape)}, expected {sh} for {module}")
+        return problems
+
+    def written_weight(self, module: str, qt: QTensor | None = None) -> torch.Tensor:
+        if self.quant_algo in PLAIN_ALGOS:  # the plain weights as stored; the engine then re-quantizes them (qtensor)
+            layer, trt, ci = self._trt_of(module)
+            return self._module(layer, trt)[ci]["weight"].float()
+        return super().written_weight(module, qt)
+
+    def kv_tensor_names(self, layer: int) -> str:
+        ranks, prefix = self._stage(layer)
+        return f"rank{ranks[0]}: {prefix}attention.kv_cache_scaling_factor"
+
     def qtensor(self, module: str) -> QTensor:
         layer, trt, ci = self._trt_of(module)
         t = self._module(layer, trt)[ci]
         algo, s = self.quant_algo, self.weights_scheme
-        if algo in PLAIN_ALGOS:  # what trtllm-build does to plain weights: symmetric per-channel amax scale
-            return QTensor.quantize(t["weight"].to(self.dtype), s, self.dtype)
+        if algo in PLAIN_ALGOS:  # plain weights: what trtllm-build's own quantization makes of them
+            return trtllm_build_weight_only(t["weight"].to(self.dtype), s, self.dtype)
         for k in ("prequant_scaling_factor", "smoother"):
             if k in t and not bool((t[k] == 1).all()):
                 raise UsageError(f"{module}: {k} is not all ones (smoothing kept outside the weights)",
@@ -766,26 +826,25 @@ class TRTLLMCheckpoint(Checkpoint):
         kv = f"{prefix}attention.kv_cache_scaling_factor"
         k, v = f"{prefix}attention.k_cache_scaling_factor", f"{prefix}attention.v_cache_scaling_factor"
         if k in names and v in names:  # TensorRT-LLM merges these into kv itself (max) when present
-            s = max(float(f.get_tensor(k).reshape(-1)[0]), float(f.get_tensor(v).reshape(-1)[0]))
+            s = max(float(self._get(ranks[0], k).reshape(-1)[0]), float(self._get(ranks[0], v).reshape(-1)[0]))
         elif kv in names:
-            s = float(f.get_tensor(kv).reshape(-1)[0])
+            s = float(self._get(ranks[0], kv).reshape(-1)[0])
         else:
             return None
         return s, s
 
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+    def iter_dense(self):
         a, g = self.arch, self.geo
         first, last = 0, self.pp - 1
-        out: dict[str, torch.Tensor] = {}
 
         def vocab(name: str, stage: int) -> torch.Tensor:
             ranks = range(stage * self.tp, (stage + 1) * self.tp)
-            return torch.cat([self._file(r).get_tensor(name) for r in ranks], dim=0)[: g.vocab]
+            return torch.cat([self._get(r, name) for r in ranks], dim=0)[: g.vocab]
 
-        out[f"{a.embed}.weight"] = vocab("transformer.vocab_embedding.weight", first)
+        yield f"{a.embed}.weight", vocab("transformer.vocab_embedding.weight", first)
         if not self._tied():
-            out[f"{a.lm_head}.weight"] = vocab("lm_head.weight", last)
-        out[f"{a.final_norm}.weight"] = self._file(last * self.tp).get_tensor("transformer.ln_f.weight")
+            yield f"{a.lm_head}.weight", vocab("lm_head.weight", last)
+        yield f"{a.final_norm}.weight", self._get(last * self.tp, "transformer.ln_f.weight")
         back = {v: k for k, v in a.trtllm_names.items() if k in ("input_layernorm", "post_attention_layernorm")}
         back.update({v: k for k, v in EXTRA_LAYER_NAMES.items()})
         for i in range(g.layers):
@@ -794,7 +853,7 @@ class TRTLLMCheckpoint(Checkpoint):
             names = self._names(ranks[0])
             for trt, h in back.items():
                 if f"{prefix}{trt}.weight" in names:
-                    out[f"{hf}{h}.weight"] = self._file(ranks[0]).get_tensor(f"{prefix}{trt}.weight")
+                    yield f"{hf}{h}.weight", self._get(ranks[0], f"{prefix}{trt}.weight")
             for lin in a.linears:
                 _, trt, ci = self._trt_of(hf + lin)
                 quantized = self._is_quantized(i, trt)
@@ -802,7 +861,6 @@ class TRTLLMCheckpoint(Checkpoint):
                     continue
                 t = self._module(i, trt)[ci]
                 if "bias" in t:
-                    out[f"{hf}{lin}.bias"] = t["bias"]
+                    yield f"{hf}{lin}.bias", t["bias"]
                 if not quantized:
-                    out[f"{hf}{lin}.weight"] = t["weight"]
-        return out
+                    yield f"{hf}{lin}.weight", t["weight"]

@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
-from qtk.export.checkpoint import Checkpoint, config_quantization
+from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, config_quantization, expect_tensor, scale_shape
 from qtk.export.safetensors_io import ShardedWriter
 from qtk.quant.pack import pack_ct, pack_ct_zero_point, unpack_ct, unpack_ct_zero_point
 from qtk.quant.qtensor import QTensor
@@ -66,6 +66,10 @@ class VLLMWriter(Writer):
 
     @classmethod
     def check(cls, source, recipe, options):
+        if recipe.writes_g_idx:  # compressed-tensors 0.20 rejects actorder "group" (and weight_g_idx) outright
+            raise UsageError(f"recipe {recipe.name}: GPTQ actorder group needs a g_idx, which compressed-tensors "
+                             "(and so --target vllm) no longer accepts",
+                             "set gptq actorder: static (same ordering, static groups, no g_idx), or use --target gptq")
         notes = []
         if options.tp != 1 or options.pp != 1:
             notes.append(f"--tp {options.tp} --pp {options.pp} applies to the trtllm target; vLLM shards at load time "
@@ -117,7 +121,9 @@ class VLLMWriter(Writer):
 
     def quantization_config(self) -> dict:
         r = self.recipe
-        group = {"targets": ["Linear"], "weights": r.weights.to_ct_args(),
+        # GPTQ's static act-order changes only how the values were chosen: "weight" records it, nothing to decode
+        actorder = "weight" if r.gptq_actorder is not None else None
+        group = {"targets": ["Linear"], "weights": r.weights.to_ct_args(actorder),
                  "input_activations": r.activations.to_ct_args() if r.activations else None,
                  "output_activations": None, "format": self.format}
         return {
@@ -148,6 +154,10 @@ def _scheme(args: dict | None) -> QuantScheme | None:
     return QuantScheme(num_bits=args["num_bits"], type=args.get("type", "int"), symmetric=args.get("symmetric", True),
                        strategy=args.get("strategy") or "tensor", group_size=args.get("group_size"),
                        dynamic=bool(args.get("dynamic", False)))
+
+
+QUANT_SUFFIXES = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_zero_point", ".weight_g_idx",
+                  ".input_scale", ".input_zero_point", ".k_scale", ".v_scale")
 
 
 @register_reader
@@ -191,25 +201,72 @@ class CompressedTensorsCheckpoint(Checkpoint):
                 zero = unpack_ct_zero_point(self.tensor(f"{module}.weight_zero_point"), s.num_bits, out_f).float()
         else:
             values = self.tensor(f"{module}.weight")
-        return QTensor(values, scale, s, zero, None, self.dtype)
+        # older compressed-tensors checkpoints (actorder "group") carry a g_idx; decoding without it would be wrong
+        g_idx = self.tensor(f"{module}.weight_g_idx").to(torch.int32) if self.has(f"{module}.weight_g_idx") else None
+        return QTensor(values, scale, s, zero, g_idx, self.dtype)
+
+    def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
+        s, fmt = self.weights_scheme, self.ct_format
+        out_f, in_f = shape
+        problems: list[str] = []
+        if fmt == "pack-quantized":
+            per = 32 // s.num_bits if s.num_bits in (2, 4, 8) else 0
+            expect_tensor(self, f"{module}.weight_packed", torch.int32, [out_f, -(-in_f // per) if per else -1], problems)
+            if expect_tensor(self, f"{module}.weight_shape", (torch.int64, torch.int32), [2], problems):
+                got = self.tensor(f"{module}.weight_shape").tolist()
+                if got != [out_f, in_f]:
+                    problems.append(f"{module}.weight_shape says {got}, the config implies {[out_f, in_f]}")
+            if self.has(f"{module}.weight"):
+                problems.append(f"{module}.weight is an unpacked weight in a pack-quantized checkpoint")
+            zp = f"{module}.weight_zero_point"
+            if not s.symmetric:
+                groups = scale_shape(s, out_f, in_f)[-1]
+                expect_tensor(self, zp, torch.int32, [-(-out_f // per) if per else -1, groups], problems,
+                              " (asymmetric weights need zero points)")
+            elif self.has(zp):
+                problems.append(f"{zp} is present but the config declares symmetric weights")
+        else:
+            want = {"float-quantized": (torch.float8_e4m3fn,), "int-quantized": (torch.int8,)}.get(
+                fmt, (torch.float8_e4m3fn,) if s.is_fp8 else (torch.int8,))
+            expect_tensor(self, f"{module}.weight", want, [out_f, in_f], problems)
+        sc = scale_shape(s, out_f, in_f)
+        expect_tensor(self, f"{module}.weight_scale", FLOATS, SCALAR if sc == [1] else sc, problems, f" ({s.describe()})")
+        gi = f"{module}.weight_g_idx"
+        if self.has(gi):
+            expect_tensor(self, gi, (torch.int32, torch.int64), [in_f], problems)
+        ins = f"{module}.input_scale"
+        if self.activations is not None and not self.activations.dynamic:
+            expect_tensor(self, ins, FLOATS, SCALAR, problems, " (the config declares static activations)")
+        elif self.has(ins):
+            problems.append(f"{ins} is present but the config declares {'dynamic' if self.activations else 'no'} activation quantization")
+        return problems
+
+    def format_problems(self) -> list[str]:
+        s, fmt, out = self.weights_scheme, self.ct_format, []
+        if fmt == "float-quantized" and not s.is_fp8 or fmt == "int-quantized" and s.is_fp8:
+            out.append(f"config format {fmt} contradicts its weights scheme ({s.describe()})")
+        if fmt == "pack-quantized" and (s.is_fp8 or s.num_bits not in (2, 4, 8)):
+            out.append(f"config format pack-quantized cannot hold {s.describe()} weights")
+        if self.kv_cache is None:
+            stray = [n for n in self.tensor_names() if n.endswith((".k_scale", ".v_scale"))]
+            if stray:
+                out.append(f"{stray[0]} is present but the config declares no kv_cache_scheme")
+        return out
 
     def input_scale(self, module: str) -> torch.Tensor | None:
         n = f"{module}.input_scale"
         return self.tensor(n).float() if self.has(n) else None
 
+    def kv_tensor_names(self, layer: int) -> str:
+        return f"model.layers.{layer}.self_attn.k_scale / v_scale"
+
     def kv_scales(self, layer: int) -> tuple[float, float] | None:
         base = f"model.layers.{layer}.self_attn"
-        if not self.has(f"{base}.k_scale"):
+        if not (self.has(f"{base}.k_scale") and self.has(f"{base}.v_scale")):
             return None
         return float(self.tensor(f"{base}.k_scale").reshape(-1)[0]), float(self.tensor(f"{base}.v_scale").reshape(-1)[0])
 
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        quant_suffixes = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_zero_point", ".input_scale",
-                          ".k_scale", ".v_scale")
+    def dense_names(self) -> list[str]:
         qmods = set(self.modules())
-        out = {}
-        for n in self.tensor_names():
-            if n.endswith(quant_suffixes) or (n.endswith(".weight") and n[: -len(".weight")] in qmods):
-                continue
-            out[n] = self.tensor(n)
-        return out
+        return [n for n in self.tensor_names()
+                if not n.endswith(QUANT_SUFFIXES) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)]

@@ -231,6 +231,10 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
     if simulate_kv and ckpt.kv_cache:
         for i, layer in enumerate(model.model.layers):
             scales = ckpt.kv_scales(i)
-            if scales is not None:
-                set_kv_hook(layer.self_attn, kv_fake_quant(ckpt.kv_cache, *scales))
+            if scales is None:  # simulating without it would judge a model the engine never runs
+                from qtk.errors import CheckFailed
+
+                raise CheckFailed(f"{ckpt.kv_tensor_names(i)} missing although the config declares an {ckpt.kv_cache} "
+                                  "KV cache", f"run qtk inspect {ckpt.path}")
+            set_kv_hook(layer.self_attn, kv_fake_quant(ckpt.kv_cache, *scales))
     return model.eval()

@@ -296,6 +296,11 @@ class ModelSource:
         h = self._open(self.weight_map[name])
         return list(h[name].shape) if isinstance(h, dict) else h.shape(name)
 
+    def tensor_dtype(self, name: str) -> torch.dtype:
+        """A tensor's dtype from the file header, without reading its data."""
+        h = self._open(self.weight_map[name])
+        return h[name].dtype if isinstance(h, dict) else h.dtype(name)
+
     def _check_tensors(self, model) -> None:
         self._check_unknown_tensors(model)
         groups: dict[int, list[tuple[str, torch.Tensor]]] = {}  # tied parameters are one object under several names
@@ -309,6 +314,10 @@ class ModelSource:
                 if self.shape(n) != list(p.shape):
                     raise UsageError(f"tensor {n} has shape {self.shape(n)} but config.json implies {list(p.shape)}",
                                      "the weights do not belong to this config.json")
+                dt = self.tensor_dtype(n)
+                if not dt.is_floating_point:  # bool or int weights would be cast silently into nonsense
+                    raise UsageError(f"tensor {n} is stored as {str(dt).replace('torch.', '')}, not as floating-point weights",
+                                     "give the original (bf16/fp16/fp32) model; qtk does not re-quantize integer checkpoints")
 
     def _check_unknown_tensors(self, model) -> None:
         """Every tensor in the weight files must belong to the model config.json describes (or be one that
