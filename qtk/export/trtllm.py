@@ -753,7 +753,7 @@ class TRTLLMCheckpoint(Checkpoint):
         return sorted(out)
 
     def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
-        """The merged tensors of `module` against what quant_algo stores (FORMATS.md §2)."""
+        """The merged tensors of `module` against what quant_algo stores (docs/formats.md, TensorRT-LLM)."""
         layer, trt, ci = self._trt_of(module)
         t = self._module(layer, trt)[ci]
         out_f, in_f = shape
