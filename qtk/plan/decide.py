@@ -15,7 +15,7 @@ from typing import Mapping
 
 from qtk.plan.hardware import GB
 from qtk.plan.memory import MemoryPlan, ModelShape, WeightBytes
-from qtk.plan.planner import Deployment, check_deployment, evaluate
+from qtk.plan.deployment import Deployment, check_deployment, evaluate
 
 DEFAULT_MIN_HEADROOM = 0.10  # of the budget: the activation and overhead figures are estimates
 CALIBRATED = ("gptq", "awq", "smoothquant")

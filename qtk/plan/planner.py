@@ -1,99 +1,21 @@
 """A full plan for one model, recipe and deployment: weights, KV cache, fit, throughput, cost,
-conversion memory and the serving flags. The pieces live in memory/cost/hardware/serving."""
+conversion memory and the serving flags. The pieces live in deployment/memory/cost/hardware/serving."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qtk.errors import UsageError
 from qtk.plan.cost import Cost, Throughput, cost, throughput
-from qtk.plan.hardware import GB, GPU, tp_efficiency
-from qtk.plan.memory import (
-    DEFAULT_BATCHED_TOKENS,
-    DEFAULT_OVERHEAD_BYTES,
-    DEFAULT_UTILIZATION,
-    ConversionMemory,
-    MemoryPlan,
-    ModelShape,
-    WeightBytes,
-    conversion_memory,
-    kv_bytes_of,
-    normalize_dtype,
-    plan_memory,
-    weight_bytes,
+from qtk.plan.deployment import (  # noqa: F401 (Deployment, evaluate: re-exported, the plan's vocabulary)
+    Deployment,
+    activation_type,
+    check_deployment,
+    evaluate,
+    serving_dtype,
 )
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """Where and how the model is served: GPU × tp, context, concurrency and vLLM-style settings."""
-
-    gpu: GPU
-    context: int = 4096
-    concurrency: int = 8
-    tp: int = 1
-    utilization: float = DEFAULT_UTILIZATION
-    overhead: int = DEFAULT_OVERHEAD_BYTES
-    tp_efficiency_per_doubling: float | None = None
-    batched_tokens: int = DEFAULT_BATCHED_TOKENS
-    dtype: str | None = None  # serving dtype override
-
-    def __post_init__(self):
-        if self.context < 1:
-            raise UsageError(f"--context must be at least 1 token, got {self.context}", "e.g. --context 4096")
-        if self.concurrency < 1:
-            raise UsageError(f"--concurrency must be at least 1, got {self.concurrency}", "e.g. --concurrency 8")
-        if self.tp < 1:
-            raise UsageError(f"--tp must be at least 1, got {self.tp}", "e.g. --tp 2 for two GPUs")
-        if not 0 < self.utilization <= 1:
-            raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.utilization}", "vLLM's default is 0.9")
-        if self.tp_efficiency_per_doubling is not None and not 0 < self.tp_efficiency_per_doubling <= 1:
-            raise UsageError(f"--tp-efficiency must be in (0, 1], got {self.tp_efficiency_per_doubling}", "e.g. 0.9 for NVLink")
-
-    @property
-    def tp_eff(self) -> float:
-        return tp_efficiency(self.gpu, self.tp, self.tp_efficiency_per_doubling)
-
-    def describe(self) -> str:
-        return f"{self.tp}× {self.gpu.label}, {self.context}-token context, {self.concurrency} concurrent"
-
-    def as_dict(self) -> dict:
-        return {"gpu": self.gpu.as_dict(), "tp": self.tp, "context": self.context, "concurrency": self.concurrency,
-                "gpu_memory_utilization": self.utilization, "overhead_bytes": self.overhead,
-                "tp_efficiency": round(self.tp_eff, 4), "batched_tokens": self.batched_tokens}
-
-
-def serving_dtype(s: ModelShape, dep: Deployment) -> str:
-    """The dtype dense tensors are served in: vLLM runs float32 checkpoints in bf16 (fp16 without bf16)."""
-    d = normalize_dtype(dep.dtype, s.dtype)
-    if d == "float32" and dep.dtype is None:
-        d = "bfloat16"
-    if d == "bfloat16" and not dep.gpu.bf16:
-        d = "float16"  # same bytes; T4 has no bf16
-    return d
-
-
-def check_deployment(s: ModelShape, dep: Deployment) -> None:
-    """Refuse a tensor-parallel size the engines cannot split this model over (the check `qtk convert` applies
-    to the trtllm target, so the plan never prints a --tensor-parallel-size that fails at load)."""
-    from qtk.model.config_check import check_tensor_parallel
-
-    check_tensor_parallel(dep.tp, s.heads, s.kv_heads, s.intermediate)
-
-
-def evaluate(s: ModelShape, recipe, dep: Deployment) -> tuple[WeightBytes, MemoryPlan]:
-    """Weights and per-GPU memory of `recipe` (None: unquantized) on the deployment."""
-    dtype = serving_dtype(s, dep)
-    w = weight_bytes(s, recipe, dtype)
-    m = plan_memory(s, w, mem_bytes=dep.gpu.mem_bytes, kv_bytes=kv_bytes_of(recipe, dtype), context=dep.context,
-                    concurrency=dep.concurrency, tp=dep.tp, utilization=dep.utilization, overhead=dep.overhead,
-                    batched_tokens=dep.batched_tokens)
-    return w, m
-
-
-def activation_type(recipe) -> str | None:
-    """GEMM input type the engine runs: fp8 / int8 when activations are quantized, else 16-bit."""
-    return recipe.activations.type if recipe is not None and recipe.activations is not None else None
+from qtk.plan.hardware import GB
+from qtk.plan.memory import ConversionMemory, MemoryPlan, ModelShape, WeightBytes, conversion_memory, normalize_dtype
+from qtk.plan.serving import serving_commands
 
 
 @dataclass
@@ -163,8 +85,6 @@ def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan, *, recomme
 def make_plan(s: ModelShape, recipe, dep: Deployment, *, recipe_name: str | None = None, api_usd_per_1m: float | None = None,
               decision=None, model_path: str = "CHECKPOINT") -> Plan:
     """Everything `qtk plan` reports for one recipe (None: the unquantized model)."""
-    from qtk.plan.serving import serving_commands
-
     check_deployment(s, dep)
     w, m = evaluate(s, recipe, dep)
     tput = throughput(s, w, m, dep.gpu, tp=dep.tp, concurrency=dep.concurrency, context=dep.context,

@@ -71,7 +71,7 @@ def serving_section(config: Mapping | str | Path, recipe=None, gpu=DEFAULT_GPU, 
     """
     from qtk.plan.hardware import GPU, get_gpu
     from qtk.plan.memory import read_config
-    from qtk.plan.planner import Deployment, evaluate
+    from qtk.plan.deployment import Deployment, evaluate
     from qtk.recipe import load_recipe
 
     cfg = dict(config) if isinstance(config, Mapping) else read_config(config)
