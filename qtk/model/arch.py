@@ -1,5 +1,8 @@
-"""Architecture knowledge as data, keyed by the HF `model_type`: module names, sub-block order,
-fusion groups, smoothing pairs and TensorRT-LLM names. No isinstance or substring chains elsewhere."""
+"""Architecture knowledge as data, keyed by the HF `model_type`: the one table of families (FAMILIES). For each
+family qtk converts, an `Arch` (module names, sub-block order, fusion groups, smoothing pairs, MoE layout,
+TensorRT-LLM names); for each family `qtk plan` knows, the planning `Traits` (what config.json leaves unsaid);
+the transformers class. `Geometry` reads a decoder's sizes from a config (the TensorRT-LLM writer and reader shard
+by it). ARCHS and TRAITS are views of FAMILIES. No isinstance or substring chains elsewhere."""
 
 from __future__ import annotations
 
@@ -73,10 +76,14 @@ class Arch:
     clip_skip: tuple[str, ...] = (Q, K)  # AWQ clip search skips q/k: their error is amplified by softmax
     # TensorRT-LLM checkpoint names of the layer's modules (gate_proj is TRT's `fc`, up_proj its `gate`)
     trtllm_architecture: str | None = "LlamaForCausalLM"
+    trtllm_decoder: str = "llama"  # the PretrainedConfig `decoder` field ModelOpt writes for the family
     trtllm_names: dict[str, str] = field(default_factory=lambda: {
         "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_layernorm",
         O: "attention.dense", GATE: "mlp.fc", UP: "mlp.gate", DOWN: "mlp.proj",
     })
+    # fusion groups vLLM loads as one module, and that module's name (its packed_modules_mapping): a per-module scheme
+    # for such a group must also name the fused module, which vLLM looks up by its own name
+    vllm_fused: tuple[tuple[tuple[str, ...], str], ...] = (((Q, K, V), "self_attn.qkv_proj"), ((GATE, UP), "mlp.gate_up_proj"))
     moe: MoE | None = None  # set for sparse-MoE families; arch_for then lists every expert's Linears
     num_experts: int = 0
     # Linears whose static input scale the engine takes as one (vLLM's fused MoE uses the max over experts
@@ -93,8 +100,8 @@ class Arch:
 
 
 LLAMA = Arch("llama", ("llama", "mistral"))
-QWEN2 = Arch("qwen2", ("qwen2",), trtllm_architecture="Qwen2ForCausalLM")
-QWEN3 = Arch("qwen3", ("qwen3",), trtllm_architecture="Qwen3ForCausalLM")
+QWEN2 = Arch("qwen2", ("qwen2",), trtllm_architecture="Qwen2ForCausalLM", trtllm_decoder="qwen")
+QWEN3 = Arch("qwen3", ("qwen3",), trtllm_architecture="Qwen3ForCausalLM", trtllm_decoder="qwen")
 # Gemma 2/3: RMSNorm scales by (1 + w); the MLP's input norm is pre_feedforward_layernorm
 # (post_attention_layernorm normalises the attention output before the residual add)
 GEMMA = Arch(
@@ -120,16 +127,96 @@ PHI3 = Arch(
     ),
     clip_skip=(QKV,),
     trtllm_architecture=None,
+    vllm_fused=(),
 )
 
 # Sparse MoE: attention as Llama's; the MLP is a router plus E experts. The expert Linears are filled in
 # per config by arch_for (with_experts). TensorRT-LLM is refused: qtk writes no MoE TensorRT-LLM checkpoint.
 MIXTRAL = Arch("mixtral", ("mixtral",), linears=(Q, K, V, O), fusion_groups=((Q, K, V),), smoothing=(),
-               trtllm_architecture=None, moe=MoE("block_sparse_moe", "w1", "w3", "w2"))
+               trtllm_architecture=None, vllm_fused=(((Q, K, V), "self_attn.qkv_proj"),),
+               moe=MoE("block_sparse_moe", "w1", "w3", "w2"))
 QWEN3_MOE = Arch("qwen3_moe", ("qwen3_moe",), linears=(Q, K, V, O), fusion_groups=((Q, K, V),), smoothing=(),
-                 trtllm_architecture=None, moe=MoE("mlp", "gate_proj", "up_proj", "down_proj"))
+                 trtllm_architecture=None, vllm_fused=(((Q, K, V), "self_attn.qkv_proj"),),
+                 moe=MoE("mlp", "gate_proj", "up_proj", "down_proj"))
 
-ARCHS: dict[str, Arch] = {mt: a for a in (LLAMA, QWEN2, QWEN3, GEMMA, PHI3, MIXTRAL, QWEN3_MOE) for mt in a.model_types}
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What config.json does not say explicitly about a family, for `qtk plan` (which counts bytes from the config
+    alone, also for families qtk cannot convert)."""
+
+    qkv_bias: bool | None = None  # None: the config's attention_bias decides (and covers o_proj)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # extra pre/post feed-forward norms (Gemma 2/3)
+    tie_default: bool = False  # tie_word_embeddings when config.json omits it (the HF class default)
+    sliding: str = "layer_types"  # how sliding-window layers are chosen when layer_types is absent
+    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias next to the router
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF model_type. arch: how qtk converts it (None: planned only); traits: how `qtk plan` counts it (None: as
+    a Llama-style decoder, with a note); hf_class: the transformers causal-LM class (a TensorRT-LLM checkpoint read
+    back names it)."""
+
+    arch: Arch | None
+    traits: Traits | None = Traits()
+    hf_class: str | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(LLAMA, Traits(), "LlamaForCausalLM"),
+    "mistral": Family(LLAMA, Traits(sliding="all"), "MistralForCausalLM"),
+    "mixtral": Family(MIXTRAL, Traits(sliding="all"), "MixtralForCausalLM"),
+    "qwen2": Family(QWEN2, Traits(qkv_bias=True, sliding="qwen"), "Qwen2ForCausalLM"),
+    "qwen2_moe": Family(None, Traits(qkv_bias=True, sliding="qwen")),
+    "qwen2_vl": Family(None, Traits(qkv_bias=True)),
+    "qwen2_vl_text": Family(None, Traits(qkv_bias=True)),
+    "qwen2_5_vl": Family(None, Traits(qkv_bias=True)),
+    "qwen2_5_vl_text": Family(None, Traits(qkv_bias=True)),
+    "qwen3": Family(QWEN3, Traits(qk_norm=True, sliding="qwen"), "Qwen3ForCausalLM"),
+    "qwen3_moe": Family(QWEN3_MOE, Traits(qk_norm=True, sliding="qwen"), "Qwen3MoeForCausalLM"),
+    "gemma": Family(None, Traits(tie_default=True)),
+    "gemma2": Family(GEMMA, Traits(sandwich_norms=True, tie_default=True, sliding="alternate"), "Gemma2ForCausalLM"),
+    "gemma3_text": Family(GEMMA, Traits(qk_norm=True, sandwich_norms=True, tie_default=True, sliding="pattern"),
+                          "Gemma3ForCausalLM"),
+    "phi3": Family(PHI3, None, "Phi3ForCausalLM"),
+    "deepseek_v2": Family(None, Traits()),
+    "deepseek_v3": Family(None, Traits(router_bias=True)),
+    "kimi_k2": Family(None, Traits(router_bias=True)),
+}
+ARCHS: dict[str, Arch] = {mt: f.arch for mt, f in FAMILIES.items() if f.arch is not None}  # what qtk converts
+TRAITS: dict[str, Traits] = {mt: f.traits for mt, f in FAMILIES.items() if f.traits is not None}  # what qtk plan knows
+# model types qtk writes TensorRT-LLM checkpoints for, and the class names those checkpoints are read back by
+TRTLLM_MODEL_TYPES: tuple[str, ...] = tuple(mt for mt, a in ARCHS.items() if a.trtllm_architecture is not None)
+HF_CLASS_TO_MODEL_TYPE: dict[str, str] = {FAMILIES[mt].hf_class: mt for mt in TRTLLM_MODEL_TYPES}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The sizes of a decoder, from an HF config (dict or object) or a TensorRT-LLM config.json (same keys, with
+    head_size as an alias of head_dim)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, cfg) -> "Geometry":
+        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        heads = int(get("num_attention_heads"))
+        return cls(int(get("num_hidden_layers")), int(get("hidden_size")), int(get("intermediate_size")), heads,
+                   int(get("num_key_value_heads") or heads),
+                   int(get("head_dim") or get("head_size") or get("hidden_size") // heads),
+                   int(get("vocab_size")))
+
+    def kv_per_rank(self, tp: int) -> int:
+        return max(self.kv_heads // tp, 1)
 
 
 def num_experts(config: dict) -> int:
@@ -182,3 +269,9 @@ def arch_for(model_type: str | None, config: dict | None = None) -> Arch:
             raise ValueError(f"arch_for({model_type!r}) needs the config: an MoE architecture depends on its expert count")
         arch = with_experts(arch, config)
     return arch
+
+
+def naming(model_type: str | None) -> Arch:
+    """The module names of a family (layers, embeddings, attention): its Arch, or Llama's (model.layers.N.self_attn)
+    for a family outside the table, which most decoder-only checkpoints follow."""
+    return ARCHS.get(model_type, LLAMA)

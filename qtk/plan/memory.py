@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from qtk.errors import UsageError
+from qtk.model.arch import TRAITS, Traits
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "int32": 4, "int64": 8}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -61,41 +62,6 @@ def normalize_dtype(name: str | None, default: str = "bfloat16") -> str:
     if d not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"unsupported model dtype '{name}'", "use bfloat16, float16 or float32 (--dtype)")
     return d
-
-
-# ---------------------------------------------------------------------------------------------
-# Architecture traits: what config.json does not say explicitly, keyed by model_type (data, not code)
-
-
-@dataclass(frozen=True)
-class Traits:
-    qkv_bias: bool | None = None  # None: the config's attention_bias decides (and covers o_proj)
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
-    sandwich_norms: bool = False  # extra pre/post feed-forward norms (Gemma 2/3)
-    tie_default: bool = False  # tie_word_embeddings when config.json omits it (the HF class default)
-    sliding: str = "layer_types"  # how sliding-window layers are chosen when layer_types is absent
-    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias next to the router
-
-
-TRAITS: dict[str, Traits] = {
-    "llama": Traits(),
-    "mistral": Traits(sliding="all"),
-    "mixtral": Traits(sliding="all"),
-    "qwen2": Traits(qkv_bias=True, sliding="qwen"),
-    "qwen2_moe": Traits(qkv_bias=True, sliding="qwen"),
-    "qwen2_vl": Traits(qkv_bias=True),
-    "qwen2_vl_text": Traits(qkv_bias=True),
-    "qwen2_5_vl": Traits(qkv_bias=True),
-    "qwen2_5_vl_text": Traits(qkv_bias=True),
-    "qwen3": Traits(qk_norm=True, sliding="qwen"),
-    "qwen3_moe": Traits(qk_norm=True, sliding="qwen"),
-    "gemma": Traits(tie_default=True),
-    "gemma2": Traits(sandwich_norms=True, tie_default=True, sliding="alternate"),
-    "gemma3_text": Traits(qk_norm=True, sandwich_norms=True, tie_default=True, sliding="pattern"),
-    "deepseek_v2": Traits(),
-    "deepseek_v3": Traits(router_bias=True),
-    "kimi_k2": Traits(router_bias=True),
-}
 
 
 @dataclass(frozen=True)
@@ -372,11 +338,10 @@ def model_tensors(s: ModelShape) -> list[TensorSpec]:
     return t
 
 
-def matches(name: str, patterns: Iterable[str]) -> bool:
-    """qtk.recipe.rules.matches, with expert templates ('experts.*') matched as expert 0."""
-    from qtk.recipe.rules import matches as match_rule
-
-    return match_rule(name.replace(".*.", ".0."), patterns)
+def scheme_of(recipe, name: str):
+    """The scheme `recipe` gives a Linear of the plan (Recipe.scheme_for; None: kept in 16 bits). An expert template
+    ('experts.*') is asked as expert 0: qtk's targets refuse to give experts of one layer different schemes."""
+    return None if recipe is None else recipe.scheme_for(name.replace(".*.", ".0."))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,21 +361,21 @@ class DiskTensor:
         return math.prod(self.shape) * DTYPE_BYTES[self.dtype] * self.count
 
 
-def checkpoint_format(recipe) -> str | None:
-    """compressed-tensors format of a recipe's Linears (None: no recipe, dense checkpoint)."""
-    if recipe is None:
+def checkpoint_format(scheme) -> str | None:
+    """compressed-tensors format of a Linear with this ModuleScheme (None: no scheme, dense)."""
+    if scheme is None:
         return None
-    if recipe.weights.type == "float":
+    if scheme.weights.type == "float":
         return "float-quantized"
-    return "int-quantized" if recipe.activations is not None else "pack-quantized"
+    return "int-quantized" if scheme.activations is not None else "pack-quantized"
 
 
-def _quantized_linear(spec: TensorSpec, recipe, dtype: str) -> list[DiskTensor]:
-    """The tensors one quantized Linear becomes on disk (docs/formats.md, vllm)."""
+def _quantized_linear(spec: TensorSpec, scheme, dtype: str) -> list[DiskTensor]:
+    """The tensors one quantized Linear becomes on disk under its ModuleScheme (docs/formats.md, vllm)."""
     out, inn = spec.shape
-    w = recipe.weights
+    w = scheme.weights
     n, c = spec.name, spec.count
-    fmt = checkpoint_format(recipe)
+    fmt = checkpoint_format(scheme)
     if w.strategy == "tensor":
         groups = None
     elif w.strategy == "group":
@@ -435,7 +400,7 @@ def _quantized_linear(spec: TensorSpec, recipe, dtype: str) -> list[DiskTensor]:
         if not w.symmetric:
             zp_rows = 1 if groups is None else -(-out * w.num_bits // 32)  # zero points pack along dim 0
             ts.append(DiskTensor(f"{n}.weight_zero_point", (zp_rows, groups or 1), "int32", "scales", c))
-    if recipe.static_activations:
+    if scheme.static_activations:
         ts.append(DiskTensor(f"{n}.input_scale", (1,), "float32", "scales", c))
     return ts
 
@@ -445,8 +410,9 @@ def checkpoint_tensors(s: ModelShape, recipe=None, dtype: str | None = None) -> 
     dtype = normalize_dtype(dtype, s.dtype)
     out: list[DiskTensor] = []
     for spec in model_tensors(s):
-        if spec.role == "linear" and recipe is not None and not matches(spec.name, recipe.ignore):
-            out.extend(_quantized_linear(spec, recipe, dtype))
+        scheme = scheme_of(recipe, spec.name) if spec.role == "linear" else None
+        if scheme is not None:
+            out.extend(_quantized_linear(spec, scheme, dtype))
         elif spec.role == "linear":
             out.append(DiskTensor(f"{spec.name}.weight", spec.shape, dtype, "dense", spec.count))
         elif spec.role == "vision":
@@ -493,7 +459,7 @@ def weight_bytes(s: ModelShape, recipe=None, dtype: str | None = None) -> Weight
     specs = model_tensors(s)
     qparams = 0
     if recipe is not None:
-        qparams = sum(x.numel for x in specs if x.role == "linear" and not matches(x.name, recipe.ignore))
+        qparams = sum(x.numel for x in specs if x.role == "linear" and scheme_of(recipe, x.name) is not None)
     return WeightBytes(total=sum(parts.values()), params=sum(x.numel for x in specs), quantized_params=qparams,
                        experts=experts, expert_params=sum(x.numel for x in specs if ".experts.*." in x.name),
                        dtype=dtype, **parts)
@@ -666,7 +632,7 @@ def conversion_memory(s: ModelShape, recipe=None, *, num_samples: int | None = N
             largest = 0
             seen = set()
             for x in specs:
-                if x.role != "linear" or x.layer is None or matches(x.name, recipe.ignore):
+                if x.role != "linear" or x.layer is None or scheme_of(recipe, x.name) is None:
                     continue
                 key = (x.layer, x.input_group)
                 if key in seen:
