@@ -145,24 +145,20 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
     click.echo(f"recipe {res.manifest['recipe']['name']} ({res.manifest['recipe']['summary']}) in {res.timings['total']:.1f}s")
     if not gate:
         _next_steps(res.outputs, model)
-    if gate:
-        from pathlib import Path
+        return
+    from qtk.eval.cli import gate_progress
+    from qtk.eval.report import summary
 
-        from qtk.eval.cli import _summary, gate_with_progress
-
-        failed = []
-        for t, path in res.outputs.items():
-            click.echo(f"gating {t} with {gate}", err=True)
-            base = Path(out) / f"gate-{t}"
-            result = gate_with_progress(path, model, gate, json_path=f"{base}.json", junit=f"{base}.xml",
-                                        markdown=f"{base}.md", threads=threads, trust_remote_code=trust_remote_code)
-            click.echo(_summary(result))
-            if not result.passed:
-                failed.append(t)
-        _next_steps(res.outputs, model)
-        if failed:
-            click.echo(f"gate failed for: {', '.join(failed)}", err=True)
-            sys.exit(1)
+    with gate_progress() as progress:
+        results = api.gate_outputs(res.outputs, model, gate, out, threads=threads, trust_remote_code=trust_remote_code,
+                                   on_output=lambda t, path: progress["progress"](f"gating {t} with {gate}"), **progress)
+    for result in results.values():
+        click.echo(summary(result))
+    _next_steps(res.outputs, model)
+    failed = [t for t, result in results.items() if not result.passed]
+    if failed:
+        click.echo(f"gate failed for: {', '.join(failed)}", err=True)
+        sys.exit(1)
 
 
 def _next_steps(outputs: dict, model: str) -> None:

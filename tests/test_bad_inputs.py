@@ -486,7 +486,7 @@ def test_output_not_writable(tmp_path, tiny_llama, monkeypatch):
 
 
 def test_disk_full_while_writing(tmp_path, tiny_llama, monkeypatch):
-    from qtk.export import safetensors_io
+    from qtk.io import safetensors as safetensors_io
 
     real_add = safetensors_io._Shard.add
     calls = []
@@ -736,7 +736,7 @@ def test_racing_conversion_refused(tmp_path, tiny_llama):
 
 
 def test_disk_full_with_resume(tmp_path, tiny_llama, calib_file, monkeypatch):
-    import qtk.resume
+    import qtk.io.faults
 
     calls = []
 
@@ -745,29 +745,29 @@ def test_disk_full_with_resume(tmp_path, tiny_llama, calib_file, monkeypatch):
         if step == "resume: write layer tensors" and calls.count(step) == 2:  # layer 0 is saved, then the disk fills
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(qtk.resume, "fault_point", fault)
+    monkeypatch.setattr(qtk.io.faults, "fault_point", fault)
     args = ("convert", tiny_llama, "--recipe", "int8-kv8", "-o", tmp_path / "out", "--calib", calib_file, "--num-samples", "4",
             "--seq-len", "32", "--no-hash", "--resume")
     code, out = cli(*args)
     expect("disk-full-resume", code, out, tmp_path, "no space left on the device", "finished layers are kept in <tmp>/out/.qtk-resume",
            "rerun the same command with --resume")
     assert leftovers(tmp_path / "out") == [".qtk-resume"]
-    monkeypatch.setattr(qtk.resume, "fault_point", lambda step: None)
+    monkeypatch.setattr(qtk.io.faults, "fault_point", lambda step: None)
     code, out = cli(*args)
     assert code == 0 and "resumed at layer 1 of 2" in out, out
 
 
 def test_damaged_resume_state_refused(tmp_path, tiny_llama, calib_file, monkeypatch):
-    import qtk.resume
+    import qtk.io.faults
 
     def crash(step):
         if step == "resume: create layer directory" and (tmp_path / "out" / ".qtk-resume" / "layer-00000").is_dir():
             raise KeyboardInterrupt
-    monkeypatch.setattr(qtk.resume, "fault_point", crash)
+    monkeypatch.setattr(qtk.io.faults, "fault_point", crash)
     args = ("convert", tiny_llama, "--recipe", "int8-kv8", "-o", tmp_path / "out", "--calib", calib_file, "--num-samples", "4",
             "--seq-len", "32", "--no-hash", "--resume")
     assert cli(*args)[0] == 130
-    monkeypatch.setattr(qtk.resume, "fault_point", lambda step: None)
+    monkeypatch.setattr(qtk.io.faults, "fault_point", lambda step: None)
     saved = tmp_path / "out" / ".qtk-resume" / "layer-00000" / "tensors.safetensors"
     data = bytearray(saved.read_bytes())
     data[-1] ^= 1  # one flipped bit in a weight

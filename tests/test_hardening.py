@@ -195,7 +195,7 @@ def test_streamed_header_is_bounded_and_readable(tmp_path):
     that the safetensors library refuses. Whatever is expected, every file it writes opens in safetensors."""
     from safetensors import safe_open
 
-    from qtk.export.safetensors_io import ShardedWriter
+    from qtk.io.safetensors import ShardedWriter
 
     def written(d, expected, n):
         d.mkdir()

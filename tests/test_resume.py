@@ -76,7 +76,7 @@ def test_resume_after_kill_is_byte_identical(model, calib_file, tmp_path, sig):
 def test_resume_state_of_another_run_is_not_reused(model, calib_file, tmp_path, caplog):
     """A state directory left by a different command is discarded (and said so), not replayed."""
     from qtk import api
-    from qtk.resume import FORMAT
+    from qtk.convert.resume import FORMAT
 
     out = tmp_path / "o"
     state = out / ".qtk-resume"
@@ -104,7 +104,7 @@ def _fault_sites() -> set[str]:
     import qtk
 
     root = Path(qtk.__file__).parent
-    return {m for f in ("resume.py", "output.py", "api.py") for m in re.findall(r'fault_point\("([^"]+)"\)', (root / f).read_text())}
+    return {m for f in (root / "convert").glob("*.py") for m in re.findall(r'fault_point\("([^"]+)"\)', f.read_text())}
 
 
 def _same_output(d, ref):
@@ -118,9 +118,9 @@ def test_crash_at_every_write_and_rename_then_resume(tmp_path, calib_file, monke
     then the same command with --resume runs on the image. Every image holds either the old or the new output
     (never a mixture) and every resumed run ends with outputs byte-identical to an uninterrupted run's, and an OUT
     with nothing else in it."""
-    import qtk.resume
+    import qtk.io.faults
     from qtk import api
-    from qtk.resume import FORMAT
+    from qtk.convert.resume import FORMAT
 
     model = make_tiny_model(tmp_path / "m", layers=2, hidden=64, intermediate=128)
     old = tmp_path / "old"
@@ -133,7 +133,7 @@ def test_crash_at_every_write_and_rename_then_resume(tmp_path, calib_file, monke
                            seq_len=16, hash_source=False, resume=True, overwrite=True)
 
     steps = []
-    monkeypatch.setattr(qtk.resume, "fault_point", steps.append)
+    monkeypatch.setattr(qtk.io.faults, "fault_point", steps.append)
     ref = tmp_path / "ref"
     shutil.copytree(old, ref)
     convert(ref)
@@ -152,10 +152,10 @@ def test_crash_at_every_write_and_rename_then_resume(tmp_path, calib_file, monke
                 raise Crash(s)
             seen.append(s)
 
-        monkeypatch.setattr(qtk.resume, "fault_point", fault)
+        monkeypatch.setattr(qtk.io.faults, "fault_point", fault)
         with pytest.raises(Crash):
             convert(out)
-        monkeypatch.setattr(qtk.resume, "fault_point", lambda s: None)
+        monkeypatch.setattr(qtk.io.faults, "fault_point", lambda s: None)
         if (image / "vllm").exists():  # the old output or the new one, whole
             weights = (image / "vllm" / "model.safetensors").read_bytes()
             assert weights in (old_weights, (ref / "vllm" / "model.safetensors").read_bytes()), step

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import click
 
 from qtk.errors import QtkError
+from qtk.eval.report import summary
 
 
 class _QtkCommand(click.Command):
@@ -19,24 +21,6 @@ class _QtkCommand(click.Command):
         except QtkError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
-
-
-def _summary(result) -> str:
-    from qtk.eval.report import UNITS, _digits, _f
-
-    rows = []
-    for t in result.tasks:
-        d, u = _digits(t.metric), UNITS.get(t.metric, "")
-        rows.append(f"  {t.status.upper():6} {t.name:<18} {t.metric:<12} base {_f(t.baseline, d)}{u:<2} cand {_f(t.candidate, d)}{u:<2} "
-                    f"Δ {t.diff:+.{d}f} [{_f(t.ci[0], d)}, {_f(t.ci[1], d)}]" + ("  (baseline cached)" if t.baseline_cached else ""))
-    a = result.agreement
-    if a is not None:
-        rows.append(f"  {a.status.upper():6} agreement          KL {_f(a.kl, 5)}  top-1 {_f(a.top1)}%  ppl ratio {_f(a.ppl_ratio, 4)}")
-    rows.append(f"  held-out: {result.contamination.status} — {result.contamination.message}")
-    for n in result.notes:
-        rows.append(f"  note: {n}")
-    rows.append(f"gate {'PASSED' if result.passed else 'FAILED'} ({result.mode} mode) in {result.timings.get('total', 0):.1f}s")
-    return "\n".join(rows)
 
 
 def _eval(checkpoint, baseline, tasks_file, junit, json_path, markdown, plot, engine, limit, seed, strict, strict_heldout,
@@ -52,22 +36,29 @@ def _eval(checkpoint, baseline, tasks_file, junit, json_path, markdown, plot, en
                                 batch_size=batch_size, device=device, dtype=dtype, bootstrap=bootstrap,
                                 tasks=list(task_names) or None, json_path=json_path, junit=junit, markdown=markdown,
                                 plot=plot, threads=threads, trust_remote_code=trust_remote_code)
-    click.echo(_summary(result))
+    click.echo(summary(result))
     result.raise_for_verdict()
 
 
-def gate_with_progress(checkpoint, baseline, tasks_file, **kw):
-    """run_gate with qtk's progress on stderr, as `qtk convert` shows it: a bar with ETA in a terminal, one line
-    per stage and per task run in logs."""
+@contextmanager
+def gate_progress():
+    """qtk's progress on stderr for gating, as `qtk convert` shows it: a bar with ETA in a terminal, one line per
+    stage and per task run in logs. Yields the progress keywords run_gate (and qtk.api.gate_outputs) take."""
     from transformers.utils import logging as hf_logging
 
-    from qtk.eval.api import run_gate
     from qtk.progress import Reporter
 
     hf_logging.disable_progress_bar()  # transformers' per-load bars would interleave with ours
     with Reporter("qtk eval", unit="task") as rep:
-        return run_gate(checkpoint, baseline, tasks_file, progress=rep.stage,
-                        on_task=lambda done, total, what: rep.step(done, total, what, label="task run"), **kw)
+        yield {"progress": rep.stage, "on_task": lambda done, total, what: rep.step(done, total, what, label="task run")}
+
+
+def gate_with_progress(checkpoint, baseline, tasks_file, **kw):
+    """run_gate with qtk's progress on stderr."""
+    from qtk.eval.api import run_gate
+
+    with gate_progress() as progress:
+        return run_gate(checkpoint, baseline, tasks_file, **progress, **kw)
 
 
 _options = [

@@ -14,6 +14,24 @@ from qtk.errors import UsageError
 UNITS = {"acc": "%", "acc_norm": "%", "exact_match": "%", "perplexity": ""}
 
 
+def summary(result) -> str:
+    """The verdict of a gate as the commands print it: one line per task (and agreement), the held-out check, the
+    notes, and PASSED or FAILED."""
+    rows = []
+    for t in result.tasks:
+        d, u = _digits(t.metric), UNITS.get(t.metric, "")
+        rows.append(f"  {t.status.upper():6} {t.name:<18} {t.metric:<12} base {_f(t.baseline, d)}{u:<2} cand {_f(t.candidate, d)}{u:<2} "
+                    f"Δ {t.diff:+.{d}f} [{_f(t.ci[0], d)}, {_f(t.ci[1], d)}]" + ("  (baseline cached)" if t.baseline_cached else ""))
+    a = result.agreement
+    if a is not None:
+        rows.append(f"  {a.status.upper():6} agreement          KL {_f(a.kl, 5)}  top-1 {_f(a.top1)}%  ppl ratio {_f(a.ppl_ratio, 4)}")
+    rows.append(f"  held-out: {result.contamination.status} — {result.contamination.message}")
+    for n in result.notes:
+        rows.append(f"  note: {n}")
+    rows.append(f"gate {'PASSED' if result.passed else 'FAILED'} ({result.mode} mode) in {result.timings.get('total', 0):.1f}s")
+    return "\n".join(rows)
+
+
 def _out(path) -> Path:
     p = Path(path)
     try:

@@ -145,7 +145,7 @@ class Checkpoint:
         return self._files
 
     def _open(self, p: Path):
-        from qtk.export.safetensors_io import SafetensorsFile
+        from qtk.io.safetensors import SafetensorsFile
 
         h = self._handles.get(p)
         if h is None:

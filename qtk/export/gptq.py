@@ -21,7 +21,7 @@ from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
 from qtk.export.checkpoint import FLOATS, Checkpoint, expect_tensor
-from qtk.export.safetensors_io import SafetensorsFile, ShardedWriter
+from qtk.io.safetensors import SafetensorsFile, ShardedWriter
 from qtk.quant.pack import offset, pack_gptq_qweight, pack_gptq_qzeros, unpack_gptq_qweight, unpack_gptq_qzeros
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme

@@ -70,7 +70,7 @@ class ModelOptHFWriter(Writer):
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
-        from qtk.export.safetensors_io import ShardedWriter
+        from qtk.io.safetensors import ShardedWriter
 
         self.algo, self.kv_algo, self.group_size = modelopt_quant(recipe)
         self.shards = ShardedWriter(self.dir, options.max_shard_bytes, len(source.weight_map) * 4 + 2 * source.num_layers + 16)

@@ -345,7 +345,7 @@ class TRTLLMWriter(Writer):
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
-        from qtk.export.safetensors_io import ShardedWriter
+        from qtk.io.safetensors import ShardedWriter
 
         self.quant = trtllm_quant(recipe)
         self.arch = source.arch

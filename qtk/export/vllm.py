@@ -16,7 +16,7 @@ from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
 from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, config_quantization, expect_tensor, scale_shape
-from qtk.export.safetensors_io import ShardedWriter
+from qtk.io.safetensors import ShardedWriter
 from qtk.quant.pack import pack_ct, pack_ct_zero_point, unpack_ct, unpack_ct_zero_point
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import FP8_MAX, QuantScheme

@@ -186,7 +186,7 @@ class ModelSource:
     def _open(self, p: Path):
         h = self._handles.get(p)
         if h is None:
-            from qtk.export.safetensors_io import SafetensorsFile
+            from qtk.io.safetensors import SafetensorsFile
 
             try:
                 h = SafetensorsFile(p)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from reference_model import LLMC_MANIFEST, SAMPLE_LINEAR, SPEC, calibration_ids, decode_sample, tensor_digest, weights
 
-from qtk.export.safetensors_io import ST_DTYPES
+from qtk.io.safetensors import ST_DTYPES
 from qtk.quant.fp4 import pack_fp4, unpack_fp4
 from qtk.quant.fp8_block import fp8_block_quantize, fp8_block_scales
 from qtk.quant.mx import mx_scales, mxfp4_dequantize, mxfp4_quantize, mxfp8_quantize

@@ -1,5 +1,6 @@
-"""A streaming, sharded safetensors writer: tensor bytes go to disk as they arrive, so a writer
-holds no more than one tensor in memory whatever the shard size.
+"""Safetensors on disk. Writing streams: tensor bytes go to disk as they arrive, so a writer holds no more than
+one tensor in memory whatever the shard size (ShardedWriter), or one small file is written and hashed (save_file).
+Reading uses positioned reads, never mmap, and treats every header as untrusted input (SafetensorsFile).
 
 The header is written last into space reserved at the front of each shard; safetensors allows the
 JSON header to be padded with spaces, so the reserved space never needs an extra copy of the data.

@@ -1,9 +1,11 @@
-"""The output directory of `qtk convert` while a run writes it.
+"""The output directory of `qtk convert` while a run writes it: the output context.
 
 OUT is created if absent (and removed again on failure only then), locked for the whole run (a second run on
 the same OUT stops at once, naming the first), and swept of what killed runs left; each target is written to
-`OUT/.<target>.qtk-tmp-<pid>` and renamed to `OUT/<target>` only when complete. Before any of that,
-`check_paths` refuses every layout where replacing or deleting one of these paths could touch the source model.
+`OUT/.<target>.qtk-tmp-<pid>` and renamed to `OUT/<target>` only when complete (commit), or removed (rollback).
+Before any of that, `check_paths` refuses every layout where replacing or deleting one of these paths could touch
+the source model, and `final_paths` an output that exists without --overwrite. `write_error` turns a full disk or a
+refused write into the user's one-line error.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import re
 import shutil
 from pathlib import Path
 
+from qtk.convert.resume import STATE_DIR
 from qtk.errors import UsageError
-from qtk import resume
-from qtk.resume import STATE_DIR, fsync_dir
+from qtk.io import faults
+from qtk.io.atomic import fsync_dir
+from qtk.io.lock import DirLock, LockHeld
 
 LOCK = ".qtk-lock"
 # what a killed run leaves in OUT: .<target>.qtk-tmp-PID (being written), .<target>.qtk-old-PID (an old output
@@ -42,6 +46,37 @@ def check_paths(source: Path, out: Path, targets) -> None:
             raise UsageError(f"output {p} is inside the model directory", fix)
 
 
+def final_paths(source, out: Path, targets, overwrite: bool) -> dict[str, Path]:
+    """OUT/<target> for each target, after refusing what could overwrite an output or the source model."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output {out} is a file", "-o names a directory (each target goes to OUT/<target>/): choose another path")
+    check_paths(source.path, out, targets)
+    finals = {t: out / t for t in targets}
+    for t, final in finals.items():
+        if os.path.lexists(final) and not overwrite:
+            raise UsageError(f"output {final} already exists", "pass --overwrite to replace it, or choose another -o")
+    return finals
+
+
+def write_error(e: BaseException, out: Path, state_dir: Path | None = None) -> UsageError | None:
+    """A full disk or a write refused while writing the output is the user's to fix: one line, not a traceback.
+    state_dir: the resume state, which is kept."""
+    if not isinstance(e, OSError):
+        return None
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if state_dir is not None:
+            return UsageError(f"no space left on the device while writing {out}; the partial output was removed, "
+                              f"the finished layers are kept in {state_dir}",
+                              "free space there, then rerun the same command with --resume to continue")
+        return UsageError(f"no space left on the device while writing {out}; the partial output was removed",
+                          "free space there (the output needs about the quantized model's size) or choose another -o")
+    name = e.filename
+    inside = name is None or (isinstance(name, (str, os.PathLike)) and Path(out).resolve() in Path(name).resolve().parents)
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and inside:
+        return UsageError(f"cannot write to {out} ({e.strerror})", "choose a writable output directory with -o")
+    return None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -52,8 +87,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class OutputDir:
-    """OUT for one run: open() creates and locks it, tmp(t) is where target t is written, commit() renames a
+class OutputContext:
+    """OUT for one run: open() creates and locks it, tmps[t] is where target t is written, commit(t) renames a
     finished target into place, rollback() leaves OUT as it was found, close() releases it after success."""
 
     def __init__(self, out: Path, targets, source: Path, overwrite: bool):
@@ -64,7 +99,7 @@ class OutputDir:
         self.tmps = {t: self.out / f".{t}.qtk-tmp-{self.pid}" for t in targets}
         self.finals = {t: self.out / t for t in targets}
         self.created: list[Path] = []  # directories this run made, deepest first: removed again on failure
-        self._fd: int | None = None
+        self.lock = DirLock(self.out, LOCK)
 
     def open(self) -> None:
         try:
@@ -73,7 +108,11 @@ class OutputDir:
                 self.created.append(p)
                 p = p.parent
             self.out.mkdir(parents=True, exist_ok=True)
-            self._lock()
+            try:
+                self.lock.acquire()
+            except LockHeld as e:
+                who = f"qtk (PID {e.holder})" if e.holder.isdigit() else "another qtk run"
+                raise UsageError(f"{who} is writing to {self.out}", "wait for it to finish, or choose another -o") from None
             for t, final in self.finals.items():  # again under the lock: another run may have finished meanwhile
                 if os.path.lexists(final) and not self.overwrite:
                     raise UsageError(f"output {final} already exists", "pass --overwrite to replace it, or choose another -o")
@@ -87,42 +126,6 @@ class OutputDir:
         except BaseException:
             self.rollback()
             raise
-
-    def _lock(self) -> None:
-        """An exclusive advisory lock on OUT/.qtk-lock, held until close/rollback; the file holds the PID."""
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no locking
-            return
-        path = self.out / LOCK
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                os.close(fd)
-                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # a filesystem without locks
-                    return
-                who = f"qtk (PID {holder})" if holder.isdigit() else "another qtk run"
-                raise UsageError(f"{who} is writing to {self.out}",
-                                 "wait for it to finish, or choose another -o") from None
-            try:  # the holder before us may have removed the file after we opened it: lock the current one
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{self.pid}\n".encode(), 0)
-        self._fd = fd
-
-    def _unlock(self) -> None:
-        if self._fd is not None:
-            (self.out / LOCK).unlink(missing_ok=True)  # while still held, so no one locks a file about to vanish
-            os.close(self._fd)
-            self._fd = None
 
     def sweep(self) -> None:
         """Remove what killed runs left in OUT, only where their PID is gone (or is ours, from an earlier life)."""
@@ -140,14 +143,14 @@ class OutputDir:
         tmp, final = self.tmps[t], self.finals[t]
         if os.path.lexists(final):
             trash = self.out / f".{t}.qtk-old-{self.pid}"
-            resume.fault_point("commit: move the old output aside")
+            faults.fault_point("commit: move the old output aside")
             os.replace(final, trash)
-            resume.fault_point("commit: rename the new output into place")
+            faults.fault_point("commit: rename the new output into place")
             os.replace(tmp, final)
-            resume.fault_point("commit: remove the old output")
+            faults.fault_point("commit: remove the old output")
             shutil.rmtree(trash, ignore_errors=True)
         else:
-            resume.fault_point("commit: rename the new output into place (no old one)")
+            faults.fault_point("commit: rename the new output into place (no old one)")
             os.replace(tmp, final)
         fsync_dir(self.out)
 
@@ -156,7 +159,7 @@ class OutputDir:
         this run created if they are empty (a directory that was there before stays, even when empty)."""
         for d in self.tmps.values():
             shutil.rmtree(d, ignore_errors=True)
-        self._unlock()
+        self.lock.release()
         for d in self.created:
             try:
                 d.rmdir()
@@ -165,4 +168,4 @@ class OutputDir:
 
     def close(self) -> None:
         self.sweep()
-        self._unlock()
+        self.lock.release()

@@ -24,46 +24,18 @@ import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from qtk.errors import UsageError
-from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import QuantScheme
+from qtk.io import faults
+from qtk.io.atomic import fsync_dir, sha256_file, write_text
+
+if TYPE_CHECKING:
+    import torch
 
 STATE_DIR = ".qtk-resume"
 FORMAT = 2  # layout version: state written by another layout is stale
 log = logging.getLogger(__name__)
-
-
-def fault_point(step: str) -> None:
-    """Called before every write, rename and removal of the resume state and of the final commit (qtk.api).
-    It does nothing; tests replace it with one that raises at the n-th step to check what a crash there leaves."""
-
-
-def fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text(p: Path, text: str) -> str:
-    data = text.encode()
-    with open(p, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return hashlib.sha256(data).hexdigest()
-
-
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _layer_name(i: int) -> str:
@@ -90,16 +62,16 @@ class ResumeState:
             self.stale = meta is not None
             if self.stale:
                 log.warning("stale resume state ignored (different command): removed %s and started over", self.dir)
-            fault_point("resume: remove stale state")
+            faults.fault_point("resume: remove stale state")
             shutil.rmtree(self.dir)
-        fault_point("resume: create state directory")
+        faults.fault_point("resume: create state directory")
         tmp = self.dir.with_name(f"{STATE_DIR}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        fault_point("resume: write meta.json")
-        _write_text(tmp / "meta.json", json.dumps({"format": FORMAT, "key": key, "layers": num_layers}))
+        faults.fault_point("resume: write meta.json")
+        write_text(tmp / "meta.json", json.dumps({"format": FORMAT, "key": key, "layers": num_layers}))
         fsync_dir(tmp)
-        fault_point("resume: rename state directory into place")
+        faults.fault_point("resume: rename state directory into place")
         os.replace(tmp, self.dir)
         fsync_dir(self.dir.parent)
 
@@ -144,7 +116,7 @@ class ResumeState:
 
     def save_layer(self, result, next_hidden: list[torch.Tensor] | None) -> None:
         """Persist a finished layer: written in full under a temporary name, then renamed into place (the commit)."""
-        from qtk.export.safetensors_io import save_file
+        from qtk.io.safetensors import save_file
 
         i = result.index
         tmp, final = self.dir / f".tmp-{_layer_name(i)}", self.dir / _layer_name(i)
@@ -163,30 +135,30 @@ class ResumeState:
         for n, t in result.dense.items():
             tensors[f"d/{n}"] = t
         try:
-            fault_point("resume: create layer directory")
+            faults.fault_point("resume: create layer directory")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             files = {}
-            fault_point("resume: write layer tensors")
+            faults.fault_point("resume: write layer tensors")
             files["tensors.safetensors"] = save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "tensors.safetensors")
-            fault_point("resume: write layer record")
-            files["record.json"] = _write_text(tmp / "record.json", json.dumps(record))
+            faults.fault_point("resume: write layer record")
+            files["record.json"] = write_text(tmp / "record.json", json.dumps(record))
             if next_hidden is not None and i + 1 < self.num_layers:  # the last layer's outputs feed nothing
-                fault_point("resume: write the next layer's inputs")
+                faults.fault_point("resume: write the next layer's inputs")
                 files["hidden.safetensors"] = save_file({f"b{j}": h.contiguous() for j, h in enumerate(next_hidden)},
                                                         tmp / "hidden.safetensors")
             manifest = {"layer": i, "files": {n: [(tmp / n).stat().st_size, sha] for n, sha in files.items()}}
-            fault_point("resume: write layer manifest")
-            _write_text(tmp / "manifest.json", json.dumps(manifest))
+            faults.fault_point("resume: write layer manifest")
+            write_text(tmp / "manifest.json", json.dumps(manifest))
             fsync_dir(tmp)
         except OSError:  # a full disk: free what the half-written layer holds; the saved layers stay
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        fault_point("resume: rename layer directory into place")
+        faults.fault_point("resume: rename layer directory into place")
         os.replace(tmp, final)
         fsync_dir(self.dir)
         if i > 0:
-            fault_point("resume: remove the previous layer's inputs")
+            faults.fault_point("resume: remove the previous layer's inputs")
             (self.dir / _layer_name(i - 1) / "hidden.safetensors").unlink(missing_ok=True)
         self.completed = i + 1
 
@@ -195,15 +167,18 @@ class ResumeState:
         p = self.dir / _layer_name(i) / name
         m = self._manifest(i)
         entry = m and m["files"].get(name)
-        if not entry or not p.is_file() or _sha256(p) != entry[1]:
+        if not entry or not p.is_file() or sha256_file(p) != entry[1]:
             raise UsageError(f"the resume state in {self.dir} is damaged ({_layer_name(i)}/{name} does not match its manifest)",
                              f"delete {self.dir} and rerun (the conversion starts over)")
         return p
 
     def load_layer(self, i: int):
+        import torch
         from safetensors.torch import load_file
 
         from qtk.pipeline import LayerResult
+        from qtk.quant.qtensor import QTensor
+        from qtk.quant.scheme import QuantScheme
 
         t = load_file(str(self._verified(i, "tensors.safetensors")))
         s = json.loads(self._verified(i, "record.json").read_text())
@@ -224,9 +199,23 @@ class ResumeState:
         return [t[f"b{j}"] for j in range(len(t))]
 
     def discard(self) -> None:
-        fault_point("resume: remove state")
+        faults.fault_point("resume: remove state")
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def run_key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def resume_state(source, recipe, out: Path, calib_info: dict, targets, options, batch_size: int, stage, messages: list[str]):
+    """The resume state of this exact command in OUT (a different command's is removed, and that is logged)."""
+    from qtk import __version__
+
+    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in source.files}
+    key = run_key(recipe=recipe.text, source=str(source.path.resolve()), files=files, calibration=calib_info,
+                  targets=targets, options=options, batch_size=batch_size, version=__version__)
+    state = ResumeState(out, key, source.num_layers)  # logs "stale resume state ignored" when it removes one
+    if state.completed:
+        stage(f"resuming after layer {state.completed}")
+        messages.append(f"resumed at layer {state.completed} of {source.num_layers}")
+    return state
