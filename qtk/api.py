@@ -107,8 +107,8 @@ def inspect(path: str | Path, source: str | Path | None = None) -> InspectReport
     rep = check_checkpoint(ck, source=src, source_note=note)
     summary = {
         "format": ck.format,
-        "weights": ck.weights_scheme.describe(),
-        "activations": ck.activations.describe() if ck.activations else "none (16-bit)",
+        "weights": ck.describe_weights(),
+        "activations": ck.describe_activations() or "none (16-bit)",
         "kv_cache": ck.kv_cache or "16-bit",
         "quantized_modules": len(rep.modules),
         "size_bytes": ck.size_bytes(),
@@ -150,9 +150,9 @@ def _inspect_source(ck, source):
 
 def _expected_quantized(ck) -> list[str]:
     """Linears of every decoder layer per the architecture table, less the checkpoint's own exclusions."""
-    from qtk.checks import checkpoint_arch, expected_quantized
+    from qtk.checks import expected_quantized
 
-    return expected_quantized(ck, checkpoint_arch(ck), None)
+    return expected_quantized(ck, ck.arch, None)
 
 
 def plan(model: str | Path, recipe: str | Path | Recipe | None = None, *, gpu: str = "h100-sxm", context: int = 4096,

@@ -172,13 +172,6 @@ def relative_error(w, ref) -> float:
 
 # ---- the checks ----
 
-def checkpoint_arch(ck):
-    from qtk.model.arch import ARCHS, arch_for
-
-    mt = ck.hf_config.get("model_type")
-    return arch_for(mt, ck.hf_config) if mt in ARCHS else None
-
-
 def expected_quantized(ck, arch, recipe) -> list[str]:
     """Linears of every decoder layer per the architecture table, less the recipe's ignore (when known) or else
     the checkpoint's own exclusions."""
@@ -236,7 +229,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
     if recipe is None and manifest:
         recipe = _manifest_recipe(manifest)
     shapes, tied = expected_parameters(ck.hf_config)
-    arch = checkpoint_arch(ck)
+    arch = ck.arch
     structure: list[str] = list(ck.format_problems())
     try:
         mods = ck.modules()
@@ -247,7 +240,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
     # ---- every quantized Linear, one at a time
     recorded = ((manifest or {}).get("stats") or {}).get("weight_error") or {}
     algo_records = ((manifest or {}).get("stats") or {}).get("algorithm") or {}
-    bound = MAX_REL_ERROR.get((ck.weights_scheme.type, ck.weights_scheme.num_bits), math.inf)
+    static_act: list[str] = []  # modules whose scheme has static activation scales
     bad_scale, constant, off_grid, implausible, compare, act, uncompared = [], [], [], [], [], [], []
     rownorm: dict[str, float] = {}
     for m in mods:
@@ -265,14 +258,17 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
                 structure.append(f"{m} decodes to {list(qt.shape)}, the config implies {shape}")
                 continue
             w = ck.written_weight(m, qt)
-            in_scale = ck.input_scale(m) if (ck.activations is not None and not ck.activations.dynamic) else None
+            scheme = ck.scheme_for(m)
+            act_scheme = scheme.activations if scheme is not None else None
+            in_scale = ck.input_scale(m) if (act_scheme is not None and not act_scheme.dynamic) else None
         except QtkError as e:
             structure.append(f"{m}: {e.problem}")
             continue
         except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:  # tensors that do not fit together
             structure.append(f"{m} cannot be decoded ({e.__class__.__name__}: {' '.join(str(e).split())[:120]})")
             continue
-        s = qt.scheme
+        s = qt.scheme  # the scheme the config gives this module: its bound, its grid
+        bound = MAX_REL_ERROR.get((s.type, s.num_bits), math.inf)
         rep.modules[m] = f"{str(qt.values.dtype).replace('torch.', '')} {list(qt.shape)} {s.describe()}"
         if not (torch.isfinite(qt.scale).all() and (qt.scale > 0).all()):
             bad_scale.append(m)
@@ -285,8 +281,10 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
         if not math.isfinite(amax) or amax > WEIGHT_RANGE[1] or 0 < amax < WEIGHT_RANGE[0]:
             implausible.append(f"{m} decodes to weights up to {amax:.3g} (scale {float(qt.scale.abs().max()):.3g}), "
                                f"outside {WEIGHT_RANGE[0]:g}..{WEIGHT_RANGE[1]:g}")
+        if act_scheme is not None and not act_scheme.dynamic:
+            static_act.append(m)
         if in_scale is not None:
-            qmax = 448.0 if ck.activations.is_fp8 else float(ck.activations.qmax)
+            qmax = 448.0 if act_scheme.is_fp8 else float(act_scheme.qmax)
             a = float(in_scale.reshape(-1)[0]) * qmax
             if not (math.isfinite(a) and ACT_RANGE[0] < a < ACT_RANGE[1]):
                 act.append(f"{m}.input_scale implies activations up to {a:.3g}")
@@ -380,8 +378,8 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
     n_layers = int(ck.hf_config["num_hidden_layers"])
     if ck.kv_cache:
         _check_kv(ck, arch, n_layers, rownorm, stats, rep)
-    if ck.activations is not None and not ck.activations.dynamic:
-        no_in = [m for m in rep.modules if ck.input_scale(m) is None]
+    if static_act:
+        no_in = [m for m in static_act if ck.input_scale(m) is None]
         rep.add("static activation scales present and plausible", [f"{m}.input_scale is missing" for m in no_in[:3]] + act)
     rep.add("dense tensors finite", [f"{n} has NaN/Inf" for n in nonfinite])
     return rep

@@ -24,7 +24,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from models import message_lines
+from models import make_tiny_model, message_lines
 from qtk.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,6 +88,11 @@ CATALOGUE = {
     "recipe-ignore-no-match": "recipe ignore pattern that names no Linear of the model",
     "recipe-ignore-empty": "recipe with 'ignore: []' (lm_head stays 16-bit in every output)",
     "recipe-ignore-splits-group": "recipe ignore that splits a fused group (q/k/v)",
+    "recipe-override-splits-group": "recipe override that gives q of a fused group (q/k/v) another scheme than k and v",
+    "mixed-target-awq": "mixed-precision recipe (overrides) for --target awq",
+    "mixed-target-hf-modelopt": "mixed-precision recipe for --target hf-modelopt",
+    "mixed-trtllm-activations": "mixed-precision recipe with quantized activations for --target trtllm",
+    "mixed-moe-experts": "overrides that give MoE experts their own scheme (--target vllm)",
     # the output
     "output-is-file": "-o names an existing file",
     "output-under-file": "-o below an existing file",
@@ -450,6 +455,52 @@ def test_recipe_ignore(tmp_path, tiny_llama, case, ignore, needles):
     p.write_text(f"name: r\nweights: {{num_bits: 8}}\nactivations: {{num_bits: 8, strategy: tensor}}\nignore: {ignore}\n")
     code, out = convert(tmp_path, tiny_llama, "--calib", tmp_path / "missing.jsonl", recipe=p)
     expect(case, code, out, tmp_path, *needles)
+
+
+MIXED = """name: mixed
+weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 128}
+overrides:
+  - targets: [%s]
+    weights: {num_bits: 8, type: int, symmetric: true, strategy: channel}
+ignore: [lm_head]
+"""
+
+
+@pytest.mark.parametrize("case,targets,args,needles", [
+    ("recipe-override-splits-group", "model.layers.0.self_attn.q_proj", (),
+     ("overrides give the fused group self_attn.q_proj, self_attn.k_proj, self_attn.v_proj of layer 0 different schemes",
+      "same override")),
+    ("mixed-target-awq", "'re:.*down_proj'", ("--target", "awq"),
+     ("the awq format holds one bit width and group size", "use --target vllm or --target gptq or --target trtllm")),
+    ("mixed-target-hf-modelopt", "'re:.*down_proj'", ("--target", "hf-modelopt"),
+     ("would need ModelOpt's MIXED_PRECISION", "use --target vllm or --target gptq or --target trtllm")),
+])
+def test_mixed_recipe_refused(tmp_path, tiny_llama, case, targets, args, needles):
+    """Refused before any work: a rule that splits what the engines fuse, and targets whose format has one scheme."""
+    p = tmp_path / "r.yaml"
+    p.write_text(MIXED % targets)
+    code, out = convert(tmp_path, tiny_llama, *args, recipe=p)
+    expect(case, code, out, tmp_path, *needles)
+
+
+def test_mixed_recipe_with_activations_refused_for_trtllm(tmp_path, tiny_llama):
+    p = tmp_path / "r.yaml"
+    p.write_text("name: w8a8-mixed\nweights: {num_bits: 8, strategy: channel}\n"
+                 "activations: {num_bits: 8, strategy: token, dynamic: true}\n"
+                 "overrides: [{targets: ['re:.*down_proj'], weights: {num_bits: 8, strategy: channel}, activations: null}]\n")
+    code, out = convert(tmp_path, tiny_llama, "--target", "trtllm", recipe=p)
+    expect("mixed-trtllm-activations", code, out, tmp_path, "TensorRT-LLM mixed precision", "weight-only schemes",
+           "not W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "use --target vllm")
+
+
+def test_mixed_recipe_giving_experts_a_scheme_refused(tmp_path):
+    moe = make_tiny_model(tmp_path / "moe", model_type="mixtral", layers=1, hidden=128, intermediate=128,
+                          num_local_experts=2, num_experts_per_tok=1)
+    p = tmp_path / "r.yaml"
+    p.write_text(MIXED % "'re:.*experts\\.1\\..*'")
+    code, out = convert(tmp_path, moe, recipe=p)
+    expect("mixed-moe-experts", code, out, tmp_path, "overrides give MoE experts their own scheme",
+           "block_sparse_moe.experts.1", "target attention Linears only")
 
 
 # ---- the output ----

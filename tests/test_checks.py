@@ -16,6 +16,7 @@ from qtk import api
 from qtk.cli import main
 from qtk.export import open_checkpoint
 from qtk.export.gptq import GPTQWriter
+from qtk.export.codecs import ct
 from qtk.export.vllm import VLLMWriter
 
 GROUP = """\
@@ -81,14 +82,14 @@ def test_a_gptq_writer_dropping_g_idx_fails_the_self_check(tiny_llama, calib_fil
 
 
 def test_a_writer_writing_a_wrong_scale_fails_the_self_check(tiny_llama, calib_file, tmp_path, monkeypatch):
-    encode = VLLMWriter.encode
+    encode = ct.encode  # the vllm writer's encoding (its reader decodes with ct.decode, untouched)
 
-    def off_by_two_percent(self, qt, dtype):
-        out = encode(self, qt, dtype)
+    def off_by_two_percent(qt, dtype, fmt):
+        out = encode(qt, dtype, fmt)
         out["weight_scale"] = (out["weight_scale"].float() * 1.02).to(out["weight_scale"].dtype)
         return out
 
-    monkeypatch.setattr(VLLMWriter, "encode", off_by_two_percent)
+    monkeypatch.setattr(ct, "encode", off_by_two_percent)
     code, _, err = convert(tiny_llama, "w4a16", tmp_path / "o", None, "vllm")
     line = _one_error_line(code, err)
     assert "on disk, qtk.json recorded" in line, line

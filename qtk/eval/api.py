@@ -424,8 +424,8 @@ def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, s
     result = GateResult(
         passed=not failures, mode="strict" if strict else "significant",
         candidate={"path": str(cand), "format": ckpt.format, "recipe": recipe.get("name"), "summary": recipe.get("summary"),
-                   "weights": ckpt.weights_scheme.describe(),
-                   "activations": ckpt.activations.describe() if ckpt.activations else None, "kv_cache": ckpt.kv_cache},
+                   "weights": ckpt.describe_weights(),
+                   "activations": ckpt.describe_activations(), "kv_cache": ckpt.kv_cache},
         baseline={"path": str(base), "model_hash": mhash},
         engine={**settings, "cache_dir": str(root) if use_cache else None, "bootstrap": bootstrap,
                 "baseline_cached": sorted(cached)},

@@ -1,4 +1,5 @@
-"""What every writer shares: construction, side files (tokenizer, generation config), the manifest."""
+"""What every writer shares: construction, each module's scheme, side files (tokenizer, generation config), the
+manifest."""
 
 from __future__ import annotations
 
@@ -8,6 +9,52 @@ import shutil
 from pathlib import Path
 
 from qtk.export import ExportOptions
+from qtk.recipe.rules import ModuleScheme
+
+
+def planned_schemes(source, recipe) -> dict[str, ModuleScheme]:
+    """Every decoder-layer Linear the recipe quantizes, with its scheme (recipe.scheme_for), before any work: what a
+    writer's check judges a mixed-precision recipe by."""
+    out = {}
+    for i in range(source.num_layers):
+        prefix = source.layer_prefix(i)
+        for lin in source.arch.linears:
+            s = recipe.scheme_for(prefix + lin)
+            if s is not None:
+                out[prefix + lin] = s
+    return out
+
+
+def layer_prefix_of(module: str, arch) -> str:
+    """The decoder-layer prefix of a module's full name ("model.layers.3." for "model.layers.3.mlp.down_proj")."""
+    layers = arch.layers + "."
+    return layers + module[len(layers):].partition(".")[0] + "."
+
+
+def override_patterns(modules: list[str], arch) -> tuple[list[str], list[str]]:
+    """How a rule names exactly `modules` for the engines: (names, regexes). Modules of a fusion group that vLLM loads
+    as one module (q/k/v as self_attn.qkv_proj) are named by one anchored regex that matches the members and the
+    fused module (vLLM looks the fused module up by its own name); every other module by its exact name."""
+    import re
+
+    names = set(modules)
+    regexes: list[str] = []
+    fused: set[str] = set()
+    for prefix in dict.fromkeys(layer_prefix_of(m, arch) for m in modules):
+        for group, fused_name in arch.vllm_fused:
+            members = [prefix + m for m in group]
+            if all(m in names for m in members):
+                regexes.append(f"^{re.escape(prefix)}(?:{'|'.join(re.escape(x) for x in (*group, fused_name))})$")
+                fused.update(members)
+    return sorted(names - fused), regexes
+
+
+def expert_overrides(source, recipe) -> list[str]:
+    """MoE expert Linears the recipe gives a scheme other than its default (the engines run a layer's experts as one
+    fused kernel with one scheme)."""
+    if source.arch.moe is None or not recipe.mixed:
+        return []
+    return [m for m, s in planned_schemes(source, recipe).items() if ".experts." in m and s != recipe.default_scheme]
 
 
 class Writer:
@@ -28,6 +75,11 @@ class Writer:
         """Refuse (UsageError) what this target cannot express, before any work; return notes for the user.
         A refusal only another target can answer leaves its fix None: the caller names the targets that accept."""
         return []
+
+    def module_scheme(self, module: str, qt) -> ModuleScheme:
+        """The scheme `module` was quantized with: its QTensor's weight scheme (the truth the pipeline produced) and
+        the activations the recipe gives it."""
+        return ModuleScheme(qt.scheme, self.recipe.scheme_for(module).activations)
 
     def add_dense(self, name: str, tensor) -> None:
         raise NotImplementedError

@@ -1,19 +1,24 @@
 """Checkpoint: a written quantized checkpoint read back in Hugging Face names, format-independent.
 
 Readers subclass it. Tensors are read lazily from safetensors, so inspecting a large checkpoint does
-not load it whole.
+not load it whole. Every reader answers `scheme_for(module)` from the checkpoint's own config, so mixed-precision
+checkpoints read like any other; layer and attention names come from the architecture table (qtk.model.arch).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from qtk.errors import CheckFailed
+from qtk.model.arch import ARCHS, Arch, arch_for, naming
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme
+from qtk.recipe.rules import ModuleScheme
 
 
 def config_quantization(path: Path) -> dict | None:
@@ -26,8 +31,39 @@ def config_quantization(path: Path) -> dict | None:
     return qc if isinstance(qc, dict) else None
 
 
+class ModuleTensors(Mapping):
+    """The stored tensors of one module by the key after its name (`weight_scale` for `X.weight_scale`), read
+    lazily: what the format codecs decode from (qtk.export.codecs). A missing key reads as the reader's own error."""
+
+    def __init__(self, ck: "Checkpoint", module: str):
+        self.ck, self.module = ck, module
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.ck.tensor(f"{self.module}.{key}")
+
+    def __contains__(self, key) -> bool:
+        return self.ck.has(f"{self.module}.{key}")
+
+    def __iter__(self):
+        p = self.module + "."
+        return (n[len(p):] for n in self.ck.tensor_names() if n.startswith(p) and "." not in n[len(p):])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class Checkpoint:
     format: str = ""
+    QUANT_METHOD: str = ""  # config.json's quantization_config.quant_method, for readers detected by it
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        return bool(cls.QUANT_METHOD) and (config_quantization(path) or {}).get("quant_method") == cls.QUANT_METHOD
+
+    def _read_config(self) -> tuple[dict, dict]:
+        """config.json without its quantization_config, and that section."""
+        cfg = json.loads((self.path / "config.json").read_text())
+        return cfg, cfg.pop("quantization_config")
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -47,6 +83,59 @@ class Checkpoint:
 
     def qtensor(self, module: str) -> QTensor:
         raise NotImplementedError
+
+    def scheme_for(self, module: str) -> ModuleScheme | None:
+        """The scheme the checkpoint's config gives the stored tensors of `module` (None: it holds none). A
+        single-scheme format answers its one scheme for every quantized module; readers of mixed-precision configs
+        resolve it per module. Whether the config's exclusions contradict what is stored is the checks' to judge."""
+        if module not in self._module_set:
+            return None
+        return ModuleScheme(self.weights_scheme, self.activations)
+
+    @cached_property
+    def _module_set(self) -> frozenset[str]:
+        return frozenset(self.modules())
+
+    def schemes(self) -> dict[ModuleScheme, list[str]]:
+        """Every scheme in the checkpoint with the modules it covers, the most common first."""
+        out: dict[ModuleScheme, list[str]] = {}
+        for m in self.modules():
+            out.setdefault(self.scheme_for(m), []).append(m)
+        return dict(sorted(out.items(), key=lambda kv: -len(kv[1])))
+
+    def describe_weights(self) -> str:
+        """The weight scheme(s), as `qtk inspect` and reports show them: one scheme, or each with its module count."""
+        groups = self.schemes()
+        if len(groups) <= 1:
+            return self.weights_scheme.describe()
+        return "; ".join(f"{s.weights.describe()} ({len(ms)} modules)" for s, ms in groups.items())
+
+    def describe_activations(self) -> str | None:
+        """The activation scheme(s) (None: 16-bit everywhere)."""
+        acts = list(dict.fromkeys(s.activations for s in self.schemes())) or [self.activations]
+        if acts == [None]:
+            return None
+        return "; ".join(a.describe() if a else "16-bit" for a in acts)
+
+    def tensors(self, module: str) -> ModuleTensors:
+        """The stored tensors of `module`, for a codec to decode."""
+        return ModuleTensors(self, module)
+
+    # ---- names from the architecture table
+    @cached_property
+    def arch(self) -> Arch | None:
+        """The architecture of the checkpoint's model_type; None for a family outside qtk's table."""
+        mt = self.hf_config.get("model_type")
+        return arch_for(mt, self.hf_config) if mt in ARCHS else None
+
+    @property
+    def names(self) -> Arch:
+        """Module names to read by: the architecture's, or Llama's for a family outside the table."""
+        return self.arch or naming(self.hf_config.get("model_type"))
+
+    def attention(self, layer: int) -> str:
+        """The attention module of decoder layer `layer` (where KV scales live)."""
+        return f"{self.names.layers}.{layer}.{self.names.attn}"
 
     def ignore_patterns(self) -> list[str]:
         """Module names or 're:' patterns the checkpoint declares unquantized."""

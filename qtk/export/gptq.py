@@ -1,11 +1,16 @@
 """gptq target: the legacy GPTQ checkpoint (docs/formats.md, gptq) that vLLM (gptq, gptq_marlin), GPTQModel and
 transformers load, and its reader.
 
-Per quantized Linear X: X.qweight int32 [in·bits/32, out], X.qzeros int32 [groups, out·bits/32],
-X.scales fp16 [groups, out], X.g_idx int32 [in]; biases stay X.bias. Zero points are written in the v1
-layout (stored z − 1, checkpoint_format "gptq"), which every loader assumes; a zero point v1 cannot hold
-(unsigned 0) switches the whole checkpoint to "gptq_v2" and rewrites the qzeros already on disk in place,
-so the writer still streams. Shared by the awq target: the fp16 scale rounding and the common refusals.
+Per quantized Linear X: X.qweight, X.qzeros, X.scales, X.g_idx (qtk.export.codecs.gptq); biases stay X.bias. Zero
+points are written in the v1 layout (stored z − 1, checkpoint_format "gptq"), which every loader assumes; a zero
+point v1 cannot hold (unsigned 0) switches the whole checkpoint to "gptq_v2" and rewrites the qzeros already on disk
+in place, so the writer still streams. Shared by the awq target: the fp16 scale rounding and the common refusals.
+
+Mixed precision: GPTQModel's `dynamic` overrides. The top-level bits / group_size / sym are the recipe's default
+scheme; each other scheme is one "+:" rule whose regex names exactly its modules, with their bits, group_size and
+sym; "-:" rules exclude modules. vLLM (gptq_utils.py get_dynamic_override) and GPTQModel apply the first rule whose
+regex re.match-es the module name; vLLM names q/k/v and gate/up by their fused module (qkv_proj), which each rule's
+regex names too.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.base import Writer
+from qtk.export.base import Writer, expert_overrides, override_patterns
 from qtk.export.checkpoint import FLOATS, Checkpoint, expect_tensor
+from qtk.export.codecs import gptq as codec
 from qtk.io.safetensors import SafetensorsFile, ShardedWriter
-from qtk.quant.pack import offset, pack_gptq_qweight, pack_gptq_qzeros, unpack_gptq_qweight, unpack_gptq_qzeros
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme
+from qtk.recipe.rules import ModuleScheme
 
 GPTQ_BITS = (4, 8)  # what vLLM's gptq_marlin runs; 2-bit has no fast kernel and packs differently in places
 FP16_TINY = 2.0**-24  # smallest positive float16 (subnormal)
@@ -36,9 +42,9 @@ def refuse_common(target: str, recipe, options) -> None:
     """Refusals every legacy weight-only format shares: no tp/pp, no fp8, no quantized activations."""
     if options.tp != 1 or options.pp != 1:
         raise UsageError("--tp/--pp apply to the trtllm target only", f"engines shard {target} checkpoints at load time: drop --tp/--pp")
-    if recipe.weights.is_fp8:
+    if any(s.weights.is_fp8 for s in recipe.schemes):
         raise UsageError(f"the {target} target stores integer weights, not fp8", "use --target vllm (or trtllm) for fp8 recipes")
-    if recipe.activations is not None:
+    if any(s.activations is not None for s in recipe.schemes):
         raise UsageError(f"the {target} target is weight-only and cannot store quantized activations "
                          f"({recipe.summary()})", "use --target vllm (or trtllm) for W8A8 recipes")
 
@@ -87,41 +93,24 @@ class FP16Scales:
                 f"changed in rounding (max relative change {self.max_rel:.1e}); qtk's reader returns the fp16 values")
 
 
-def ignored_layer_linears(source, r) -> list[str]:
-    """Full names of the decoder layer's Linears left unquantized (written dense): those the recipe ignores, and
-    the MoE routers."""
-    prefix = source.layer_prefix(r.index)
-    return ([prefix + lin for lin in source.arch.linears if prefix + lin not in r.qweights]
-            + [prefix + lin for lin in source.arch.dense_linears])
-
-
 def check_divisible(module: str, n: int, per: int, what: str, target: str) -> None:
     if n % per:
         raise UsageError(f"{module}: {what} {n} is not a multiple of {per}, which the {target} layout packs per int32 word",
                          "ignore this module in the recipe, or use --target vllm")
 
 
-def trivial_g_idx(in_features: int, group_size: int | None) -> torch.Tensor:
-    """The group of each input column without act-order: column // group_size (all 0 per-channel)."""
-    cols = torch.arange(in_features, dtype=torch.int32)
-    return cols // group_size if group_size else torch.zeros_like(cols)
-
-
-def _per_group(t: torch.Tensor, out_features: int) -> torch.Tensor:
-    """A QTensor scale / zero point ([1], [out, 1] or [out, groups]) as [out, groups]."""
-    return t.reshape(-1, 1).expand(out_features, 1) if t.numel() == 1 else t.reshape(out_features, -1)
-
-
 # ---- writer ----
 
 class LegacyWriter(Writer):
     """What the GPTQ and AWQ writers share: fp16 scales, streamed shards, and each layer's packed tensors
-    (from `encode`) and dense ones; the quantized and the ignored Linears are recorded for the config."""
+    (from `encode`) and dense ones; the quantized Linears (by scheme) and the ignored ones are recorded for the
+    config."""
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
         self.ignored: list[str] = []
         self.quantized: list[str] = []
+        self.schemes: dict[QuantScheme, list[str]] = {}  # weight scheme -> the modules written with it
         self.fp16 = FP16Scales(self.target)
         n_expected = len(source.weight_map) * 4 + 16
         self.shards = ShardedWriter(self.dir, options.max_shard_bytes, n_expected)
@@ -136,10 +125,11 @@ class LegacyWriter(Writer):
         for mod, qt in r.qweights.items():
             for k, t in self.encode(mod, qt).items():
                 self.shards.add(f"{mod}.{k}", t)
+            self.schemes.setdefault(qt.scheme, []).append(mod)
         for name, t in r.dense.items():  # norms, biases (X.bias), ignored Linears
             self.shards.add(name, t)
         self.quantized.extend(r.qweights)
-        self.ignored.extend(ignored_layer_linears(self.source, r))
+        self.ignored.extend(r.dense_linears)
 
 
 @register_writer
@@ -150,54 +140,49 @@ class GPTQWriter(LegacyWriter):
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
-        self.bits = recipe.weights.num_bits
         self.v1 = True  # until a zero point v1 cannot store turns up
-        self.v1_qzeros: list[str] = []  # qzeros already written in v1: rewritten if the checkpoint turns v2
+        self.v1_qzeros: list[tuple[str, int]] = []  # (qzeros written in v1, bits): rewritten if the checkpoint turns v2
         self.desc_act = False
 
     @classmethod
     def check(cls, source, recipe, options):
         refuse_common(cls.target, recipe, options)
-        w = recipe.weights
-        if w.num_bits not in GPTQ_BITS:
-            raise UsageError(f"the gptq target stores int4 or int8 weights, not int{w.num_bits}",
-                             "use num_bits 4 or 8, or --target vllm")
+        for s in recipe.schemes:
+            w = s.weights
+            if w.num_bits not in GPTQ_BITS:
+                raise UsageError(f"the gptq target stores int4 or int8 weights, not int{w.num_bits}",
+                                 "use num_bits 4 or 8, or --target vllm")
+        experts = expert_overrides(source, recipe)
+        if experts:  # no fix of our own: the targets that accept the recipe are named by qtk.export.check_targets
+            raise UsageError(f"recipe {recipe.name}: overrides give MoE experts their own scheme ({experts[0]}); qtk writes "
+                             "GPTQ `dynamic` overrides for dense Linears only (the engines run a layer's experts as one "
+                             "fused kernel with one bit width)")
         return common_notes(cls.target, source, recipe)
 
     def encode(self, mod: str, qt: QTensor) -> dict[str, torch.Tensor]:
-        bits, s = self.bits, qt.scheme
+        bits = qt.scheme.num_bits
         out_f, in_f = qt.shape
         per = 32 // bits
         check_divisible(mod, in_f, per, "in_features", self.target)
         check_divisible(mod, out_f, per, "out_features", self.target)
-        group = s.group_size if s.strategy == "group" else None
-        trivial = trivial_g_idx(in_f, group)
-        g_idx = trivial if qt.g_idx is None else qt.g_idx.to(torch.int32)
-        if not torch.equal(g_idx, trivial):
+        if not codec.acts_in_order(qt):
             self.desc_act = True
-        zero = None if qt.zero_point is None else _per_group(qt.zero_point, out_f)
-        if zero is not None and self.v1 and bool((zero.to(torch.int64) + offset(bits) == 0).any()):
+        if self.v1 and codec.needs_v2(qt):
             self.v1 = False
             self.notes.append("a zero point of 0 (unsigned) cannot be stored in GPTQ v1 (it stores z - 1): wrote "
                               "checkpoint_format gptq_v2, which GPTQModel and vLLM with gptq_v2 support load; older "
                               "loaders misread it as v1")
-        scale = _per_group(qt.scale, out_f)  # [out, groups]
-        qzeros = pack_gptq_qzeros(zero, bits, v1=self.v1, shape=tuple(scale.shape))
+        out = codec.encode(qt, self.v1, lambda scale: self.fp16(scale, mod))
         if self.v1:
-            self.v1_qzeros.append(f"{mod}.qzeros")
-        return {
-            "qweight": pack_gptq_qweight(qt.values, bits),  # [in*bits/32, out]
-            "qzeros": qzeros,  # [groups, out*bits/32]
-            "scales": self.fp16(scale, mod).t().contiguous(),  # [groups, out]
-            "g_idx": g_idx,  # [in]
-        }
+            self.v1_qzeros.append((f"{mod}.qzeros", bits))
+        return out
 
     def _rewrite_qzeros_v2(self, weight_map: dict[str, str]) -> None:
         """Re-encode the qzeros written before the switch (z - 1 -> z), in place: same bytes, same size."""
-        for name in self.v1_qzeros:
+        for name, bits in self.v1_qzeros:
             path = self.dir / weight_map[name]
             f = SafetensorsFile(path)
-            v2 = pack_gptq_qzeros(unpack_gptq_qzeros(f.get_tensor(name), self.bits, v1=True), self.bits, v1=False)
+            v2 = codec.rewrite_v1_qzeros(f.get_tensor(name), bits)
             start = f.data_start + f.entries[name]["data_offsets"][0]
             del f
             fd = os.open(path, os.O_WRONLY)
@@ -209,6 +194,21 @@ class GPTQWriter(LegacyWriter):
             finally:
                 os.close(fd)
         self.v1_qzeros = []
+
+    def dynamic_rules(self) -> dict[str, dict]:
+        """GPTQModel `dynamic` rules: "-:" excludes each ignored module; "+:" gives the modules of each scheme other
+        than the default its bits, group_size and sym."""
+        rules = {f"-:^{re.escape(m)}$": {} for m in sorted(set(self.ignored))}
+        default = self.recipe.weights
+        for scheme, modules in self.schemes.items():
+            if scheme == default:
+                continue
+            names, regexes = override_patterns(modules, self.source.arch)
+            alternatives = [f"^{re.escape(n)}$" for n in names] + regexes
+            rules[f"+:(?:{'|'.join(alternatives)})"] = {
+                "bits": scheme.num_bits, "group_size": scheme.group_size if scheme.strategy == "group" else -1,
+                "sym": scheme.symmetric}
+        return rules
 
     def quantization_config(self) -> dict:
         from qtk import __version__
@@ -233,10 +233,13 @@ class GPTQWriter(LegacyWriter):
             "pack_dtype": "int32",
             "meta": {"quantizer": [f"qtk:{__version__}"], "qtk_recipe": r.name, "qtk_algorithm": list(r.step_names)},
         }
+        rules = self.dynamic_rules()
+        if rules:
+            # GPTQModel and vLLM: `dynamic` "-:" rules exclude modules, "+:" rules override bits / group_size / sym
+            # (re.match on the module name, first rule wins)
+            cfg["dynamic"] = rules
         if self.ignored:
-            # GPTQModel and vLLM: `dynamic` "-:" rules exclude modules (re.match on the module name);
             # optimum (transformers) and vLLM: the quantized modules, matched as name suffix / substring
-            cfg["dynamic"] = {f"-:^{re.escape(m)}$": {} for m in sorted(set(self.ignored))}
             cfg["modules_in_block_to_quantize"] = [sorted(self.quantized)]
         return cfg
 
@@ -309,19 +312,24 @@ class LegacyCheckpoint(Checkpoint):
         out = []
         for n in self.tensor_names():
             base, _, suffix = n.rpartition(".")
-            if not (base in qmods and "." + suffix in self.SUFFIXES):
+            if not (base in qmods and suffix in self.SUFFIXES):
                 out.append(n)
         return out
 
 
+def _gptq_scheme(bits: int, group_size: int, sym: bool) -> QuantScheme:
+    return QuantScheme(num_bits=bits, type="int", symmetric=sym, strategy="group" if group_size > 0 else "channel",
+                       group_size=group_size if group_size > 0 else None)
+
+
 @register_reader
 class GPTQCheckpoint(LegacyCheckpoint):
-    """Returns QTensors in qtk's signed convention: values q = q_u − 2^(bits−1), zero points likewise
-    (v1's stored z − 1 undone), scales exactly the fp16 on disk (as float32), g_idx only when act-order."""
+    """Returns QTensors in qtk's signed convention (qtk.export.codecs.gptq). Each module's scheme: the first
+    `dynamic` "+:" rule whose regex re.match-es its name overrides the top-level bits / group_size / sym."""
 
     format = "gptq"
     METHOD = "gptq"
-    SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+    SUFFIXES = codec.SUFFIXES
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -332,8 +340,9 @@ class GPTQCheckpoint(LegacyCheckpoint):
         self.v1 = fmt == "gptq"
         self.bits = int(self.qconfig["bits"])
         gs = int(self.qconfig.get("group_size", -1))
-        self.weights_scheme = QuantScheme(num_bits=self.bits, type="int", symmetric=bool(self.qconfig.get("sym", True)),
-                                          strategy="group" if gs > 0 else "channel", group_size=gs if gs > 0 else None)
+        self.weights_scheme = _gptq_scheme(self.bits, gs, bool(self.qconfig.get("sym", True)))
+        self.overrides = [(p[2:] if p.startswith("+:") else p, rule) for p, rule in (self.qconfig.get("dynamic") or {}).items()
+                          if not p.startswith("-:")]
 
     def ignore_patterns(self) -> list[str]:
         out = [] if self.qconfig.get("lm_head") else ["lm_head"]
@@ -342,9 +351,20 @@ class GPTQCheckpoint(LegacyCheckpoint):
                 out.append(f"re:(?:{pattern[2:]}).*")
         return out
 
+    def scheme_for(self, module: str) -> ModuleScheme | None:
+        if module not in self._module_set:
+            return None
+        base = self.weights_scheme
+        for pattern, rule in self.overrides:
+            if re.match(pattern, module):
+                gs = int(rule.get("group_size", base.group_size or -1))
+                return ModuleScheme(_gptq_scheme(int(rule.get("bits", base.num_bits)), gs, bool(rule.get("sym", base.symmetric))))
+        return ModuleScheme(base)
+
     def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
         out_f, in_f = shape
-        s, per = self.weights_scheme, 32 // self.bits if self.bits in (2, 4, 8) else 0
+        s = self.scheme_for(module).weights
+        per = 32 // s.num_bits if s.num_bits in (2, 4, 8) else 0
         groups = -(-in_f // s.group_size) if s.strategy == "group" else 1
         problems: list[str] = []
         expect_tensor(self, f"{module}.qweight", torch.int32, [in_f // per if per else -1, out_f], problems)
@@ -355,17 +375,4 @@ class GPTQCheckpoint(LegacyCheckpoint):
         return problems
 
     def qtensor(self, module: str) -> QTensor:
-        s = self.weights_scheme
-        values = unpack_gptq_qweight(self.tensor(f"{module}.qweight"), self.bits)  # [out, in]
-        out_f, in_f = values.shape
-        scale = self.tensor(f"{module}.scales").float().t().contiguous()  # [groups, out] -> [out, groups]
-        zero = unpack_gptq_qzeros(self.tensor(f"{module}.qzeros"), self.bits, v1=self.v1)[:out_f].float()  # [out, groups]
-        if s.symmetric and not zero.any():
-            zero = None
-        g_idx = self.tensor(f"{module}.g_idx").to(torch.int32) if self.has(f"{module}.g_idx") else None
-        if g_idx is not None and torch.equal(g_idx, trivial_g_idx(in_f, s.group_size)):
-            g_idx = None
-        if g_idx is None and s.strategy == "group" and scale.shape[1] * s.group_size != in_f:
-            raise UsageError(f"{self.path}: {module} has {scale.shape[1]} scale groups for {in_f} inputs",
-                             f"the checkpoint does not match its group_size {s.group_size}")
-        return QTensor(values, scale, s, zero, g_idx, torch.float16)  # the kernels dequantize in the scales' fp16
+        return codec.decode(self.tensors(module), self.scheme_for(module).weights, self.v1, where=f"{self.path}: {module}")

@@ -15,8 +15,10 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
-from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, config_quantization, expect_tensor
-from qtk.export.trtllm import AWQ_GROUP_SIZES, pack_int4_pairs, unpack_int4_pairs
+from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, expect_tensor
+from qtk.export.codecs import modelopt as codec
+from qtk.export.trtllm.algo import AWQ_GROUP_SIZES
+from qtk.io.safetensors import ShardedWriter
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import FP8_MAX, QuantScheme
 
@@ -30,6 +32,9 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
     """(quant_algo, kv_cache_quant_algo, group_size) of the unified HF checkpoint, or a UsageError naming the fix."""
     w, a = recipe.weights, recipe.activations
     where = f"recipe {recipe.name}"
+    if recipe.mixed:  # no fix of our own: the targets that accept the recipe are computed from their checks
+        raise UsageError(f"{where}: qtk writes hf-modelopt checkpoints with one quant_algo; the recipe's overrides would "
+                         "need ModelOpt's MIXED_PRECISION (per-layer quantized_layers), which qtk does not write")
     if a is not None and not a.is_fp8:
         raise UsageError(f"{where}: INT8 SmoothQuant (W8A8) has no ModelOpt HF checkpoint form; TensorRT-LLM loads it only "
                          "from its own checkpoint", "use --target trtllm")
@@ -50,10 +55,6 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
     return algo, None if kv is None else "FP8", group
 
 
-def _scalar(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float32)  # ModelOpt writes per-tensor scales as 0-dim tensors
-
-
 @register_writer
 class ModelOptHFWriter(Writer):
     target = "hf-modelopt"
@@ -70,8 +71,6 @@ class ModelOptHFWriter(Writer):
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
-        from qtk.io.safetensors import ShardedWriter
-
         self.algo, self.kv_algo, self.group_size = modelopt_quant(recipe)
         self.shards = ShardedWriter(self.dir, options.max_shard_bytes, len(source.weight_map) * 4 + 2 * source.num_layers + 16)
         a = source.arch
@@ -86,26 +85,17 @@ class ModelOptHFWriter(Writer):
         a, dtype = self.source.arch, self.source.dtype
         prefix = self.source.layer_prefix(r.index)
         for mod, qt in r.qweights.items():
-            if self.algo == "FP8":
-                self.shards.add(f"{mod}.weight", qt.values)
-                self.shards.add(f"{mod}.weight_scale", _scalar(float(qt.scale.reshape(()))))
-                amax = r.input_amax[mod]
-                self.shards.add(f"{mod}.input_scale", _scalar(amax / FP8_MAX if amax > 0 else 1.0))
-            else:
-                # the full int4 grid (docs/grids.md): TensorRT-LLM decodes q * s for every code -8..7
-                self.shards.add(f"{mod}.weight", pack_int4_pairs(qt.values).view(torch.uint8))
-                self.shards.add(f"{mod}.weight_scale", qt.scale.to(torch.float32))
-                if mod[len(prefix):] in self.prequant:
-                    self.shards.add(f"{mod}.pre_quant_scale", torch.ones(qt.shape[1], dtype=dtype))
+            amax = r.input_amax[mod] if self.algo == "FP8" else None
+            for k, t in codec.encode(self.algo, qt, amax, mod[len(prefix):] in self.prequant, dtype).items():
+                self.shards.add(f"{mod}.{k}", t)
         for name, t in r.dense.items():
             self.shards.add(name, t)
-        self.exclude.extend(prefix + lin for lin in a.linears if prefix + lin not in r.qweights)
-        self.exclude.extend(prefix + lin for lin in a.dense_linears)
+        self.exclude.extend(r.dense_linears)
         if r.k_amax is not None:
             # the attention's k/v scales live on k_proj / v_proj in ModelOpt's layout: amax / 448, not clamped
             tiny = torch.finfo(torch.float32).tiny
-            self.shards.add(f"{prefix}{a.attn}.k_proj.k_scale", _scalar(max(r.k_amax / FP8_MAX, tiny)))
-            self.shards.add(f"{prefix}{a.attn}.v_proj.v_scale", _scalar(max(r.v_amax / FP8_MAX, tiny)))
+            self.shards.add(f"{prefix}{a.attn}.k_proj.k_scale", codec.scalar(max(r.k_amax / FP8_MAX, tiny)))
+            self.shards.add(f"{prefix}{a.attn}.v_proj.v_scale", codec.scalar(max(r.v_amax / FP8_MAX, tiny)))
 
     def hf_quant_config(self) -> dict:
         from qtk import __version__
@@ -146,14 +136,11 @@ class ModelOptHFWriter(Writer):
 class ModelOptHFCheckpoint(Checkpoint):
     format = "hf-modelopt"
 
-    @staticmethod
-    def detect(path: Path) -> bool:
-        return (config_quantization(path) or {}).get("quant_method") == "modelopt"
+    QUANT_METHOD = "modelopt"
 
     def __init__(self, path: Path):
         super().__init__(path)
-        cfg = json.loads((self.path / "config.json").read_text())
-        qc = cfg.pop("quantization_config")
+        cfg, qc = self._read_config()
         self.hf_config = cfg
         hq_path = self.path / "hf_quant_config.json"
         q = json.loads(hq_path.read_text()).get("quantization", {}) if hq_path.is_file() else {}
@@ -177,29 +164,21 @@ class ModelOptHFCheckpoint(Checkpoint):
         return sorted(n[: -len(".weight_scale")] for n in self.tensor_names() if n.endswith(".weight_scale"))
 
     def qtensor(self, module: str) -> QTensor:
-        s = self.weights_scheme
-        scale = self.tensor(f"{module}.weight_scale").float()
-        if self.quant_algo == "FP8":
-            return QTensor(self.tensor(f"{module}.weight"), scale.reshape(1), s, None, None, self.dtype)
-        pq = f"{module}.pre_quant_scale"
-        if self.has(pq) and not bool((self.tensor(pq) == 1).all()):
-            raise UsageError(f"{module}: pre_quant_scale is not all ones (AWQ scales kept outside the weights)",
-                             "qtk simulates checkpoints whose smoothing is folded into the weights, as qtk writes them")
-        return QTensor(unpack_int4_pairs(self.tensor(f"{module}.weight")), scale, s, None, None, self.dtype)
+        return codec.decode(self.quant_algo, self.tensors(module), self.weights_scheme, self.dtype, where=module)
 
     def input_scale(self, module: str) -> torch.Tensor | None:
         n = f"{module}.input_scale"
         return self.tensor(n).float().reshape(1) if self.has(n) else None
 
     def kv_scales(self, layer: int) -> tuple[float, float] | None:
-        base = f"model.layers.{layer}.self_attn"
+        base = self.attention(layer)
         k, v = f"{base}.k_proj.k_scale", f"{base}.v_proj.v_scale"
         if not (self.has(k) and self.has(v)):
             return None
         return float(self.tensor(k).reshape(-1)[0]), float(self.tensor(v).reshape(-1)[0])
 
     def kv_tensor_names(self, layer: int) -> str:
-        return f"model.layers.{layer}.self_attn.k_proj.k_scale / v_proj.v_scale"
+        return f"{self.attention(layer)}.k_proj.k_scale / v_proj.v_scale"
 
     def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
         out_f, in_f = shape
@@ -217,7 +196,6 @@ class ModelOptHFCheckpoint(Checkpoint):
         return problems
 
     def dense_names(self) -> list[str]:
-        quant_suffixes = (".weight_scale", ".input_scale", ".pre_quant_scale", ".k_scale", ".v_scale")
         qmods = set(self.modules())
         return [n for n in self.tensor_names()
-                if not n.endswith(quant_suffixes) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)]
+                if not n.endswith(codec.SUFFIXES) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)]

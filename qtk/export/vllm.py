@@ -1,28 +1,40 @@
 """vLLM target: a compressed-tensors checkpoint (docs/formats.md, vllm), and its reader.
 
-int-quantized (W8A8 int8), float-quantized (FP8) or pack-quantized (weight-only int4/int8). The KV
-cache is FP8 with k_scale = amax(K after RoPE)/448 and v_scale = amax(V)/448: vLLM has no INT8 KV cache
-with checkpoint scales, so an 8-bit int KV recipe becomes FP8 KV here (and the output says so).
+int-quantized (W8A8 int8), float-quantized (FP8) or pack-quantized (weight-only int4/int8), per module (the layouts
+are qtk.export.codecs.ct's). The KV cache is FP8 with k_scale = amax(K after RoPE)/448 and v_scale = amax(V)/448:
+vLLM has no INT8 KV cache with checkpoint scales, so an 8-bit int KV recipe becomes FP8 KV here (and the output says
+so).
+
+Mixed precision: group_0 holds the recipe's default scheme with targets ["Linear"]; each other scheme gets a group
+whose targets name exactly the modules it covers. Both clients resolve a module by exact name before regexes before
+the class name "Linear" (compressed-tensors utils/match.py match_targets; vLLM compressed_tensors/utils.py
+find_matched_target), so no precedence depends on the order of rules. vLLM loads q/k/v and gate/up as one fused
+module, looked up by its own name (qkv_proj) before the class name: an override group names each such group with one
+anchored regex that matches its members and the fused name. Each group carries its own `format`; the top-level
+format is "mixed-precision" when the groups' formats differ (as compressed-tensors writes it).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.base import Writer
-from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, config_quantization, expect_tensor, scale_shape
+from qtk.export.base import Writer, expert_overrides, override_patterns
+from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, expect_tensor, scale_shape
+from qtk.export.codecs import ct
 from qtk.io.safetensors import ShardedWriter
-from qtk.quant.pack import pack_ct, pack_ct_zero_point, unpack_ct, unpack_ct_zero_point
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import FP8_MAX, QuantScheme
+from qtk.recipe.rules import ModuleScheme, matches
 
 KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
              "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+MIXED = "mixed-precision"
 
 
 def ct_version() -> str:
@@ -52,14 +64,6 @@ def ct_args(s: QuantScheme, actorder: str | None = None) -> dict:
     }
 
 
-def ct_format(recipe) -> str:
-    if recipe.weights.is_fp8:
-        return "float-quantized"
-    if recipe.activations is not None:
-        return "int-quantized"
-    return "pack-quantized"
-
-
 def kv_scale(amax: float) -> torch.Tensor:
     """FP8 KV scale: the cache holds fp8(x / scale), so scale = amax / 448 (never 0)."""
     return torch.tensor([max(amax / FP8_MAX, torch.finfo(torch.float32).tiny)], dtype=torch.float32)
@@ -73,13 +77,14 @@ class VLLMWriter(Writer):
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
-        self.format = ct_format(recipe)
+        self.format = ct.ct_format(recipe.default_scheme)
         n_expected = len(source.weight_map) * 4 + 2 * source.num_layers + 16
         self.shards = ShardedWriter(self.dir, options.max_shard_bytes, n_expected)
         self.ignored: list[str] = [source.arch.lm_head]  # also when tied: it is a Linear the config must exclude
         moe = source.arch.moe
-        if moe is not None:  # routers stay dense; excluded by pattern, as llm-compressor writes it
-            self.ignored.append(f"re:.*{moe.block}\\.{moe.router}$")
+        # routers stay dense; excluded by pattern, as llm-compressor writes it
+        self.routers: list[str] = [] if moe is None else [f"re:.*{moe.block}\\.{moe.router}$"]
+        self.groups: dict[ModuleScheme, list[str]] = {}  # modules per scheme, as written
 
     @classmethod
     def check(cls, source, recipe, options):
@@ -87,14 +92,25 @@ class VLLMWriter(Writer):
             raise UsageError(f"recipe {recipe.name}: GPTQ actorder group needs a g_idx, which compressed-tensors "
                              "(and so --target vllm) no longer accepts",
                              "set gptq actorder: static (same ordering, static groups, no g_idx), or use --target gptq")
+        moe = source.arch.moe
+        experts = expert_overrides(source, recipe)
+        if experts:
+            raise UsageError(f"recipe {recipe.name}: overrides give MoE experts their own scheme ({experts[0]}), but vLLM "
+                             "runs each layer's experts as one fused kernel with one scheme, looked up by expert 0's "
+                             "names only (compressed_tensors_moe.py get_moe_method)",
+                             "keep experts at the default scheme: target attention Linears only in overrides")
         notes = []
         if options.tp != 1 or options.pp != 1:
             notes.append(f"--tp {options.tp} --pp {options.pp} applies to the trtllm target; vLLM shards at load time "
                          f"(serve with --tensor-parallel-size {options.tp})")
-        if source.arch.moe is not None and not recipe.weights.symmetric:
+        if moe is not None and not all(s.weights.symmetric for s in recipe.schemes):
             notes.append("asymmetric MoE experts (zero points) load only in vLLM versions whose compressed-tensors MoE "
                          "path supports zero points (older ones accept symmetric experts only); for those use a "
                          "symmetric recipe such as w4a16-gptq")
+        if recipe.mixed:
+            notes.append("mixed precision: in transformers load it on the default path (from_pretrained without a "
+                         "quantization_config): transformers' CompressedTensorsConfig(dequantize=True) decodes every "
+                         "dense Linear with the first config group's scheme")
         if recipe.kv_cache is not None and not recipe.kv_cache.is_fp8:
             notes.append("vLLM has no INT8 KV cache with checkpoint scales: wrote FP8 KV scales (amax/448); "
                          "serve with --kv-cache-dtype fp8")
@@ -106,50 +122,44 @@ class VLLMWriter(Writer):
     def add_layer(self, r) -> None:
         dtype = self.source.dtype
         for mod, qt in r.qweights.items():
-            for k, t in self.encode(qt, dtype).items():
+            scheme = self.module_scheme(mod, qt)
+            for k, t in ct.encode(qt, dtype, ct.ct_format(scheme)).items():
                 self.shards.add(f"{mod}.{k}", t)
-            if mod in r.input_amax and self.recipe.static_activations:
+            if mod in r.input_amax and scheme.static_activations:
                 from qtk.quant.qparams import static_scale
 
-                self.shards.add(f"{mod}.input_scale", static_scale(r.input_amax[mod], self.recipe.activations))
+                self.shards.add(f"{mod}.input_scale", static_scale(r.input_amax[mod], scheme.activations))
+            self.groups.setdefault(scheme, []).append(mod)
         for name, t in r.dense.items():
             self.shards.add(name, t)
-        prefix = self.source.layer_prefix(r.index)
-        self.ignored.extend(prefix + lin for lin in self.source.arch.linears
-                            if prefix + lin not in r.qweights)
+        self.ignored.extend(m for m in r.dense_linears if not matches(m, self.routers))
         if r.k_amax is not None:
-            attn = f"{prefix}{self.source.arch.attn}"
+            attn = f"{self.source.layer_prefix(r.index)}{self.source.arch.attn}"
             self.shards.add(f"{attn}.k_scale", kv_scale(r.k_amax))
             self.shards.add(f"{attn}.v_scale", kv_scale(r.v_amax))
 
-    def encode(self, qt: QTensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        s = qt.scheme
-        if self.format == "pack-quantized":
-            out = {
-                "weight_packed": pack_ct(qt.values, s.num_bits),
-                "weight_scale": qt.scale.to(dtype),
-                "weight_shape": torch.tensor(list(qt.shape), dtype=torch.int64),
-            }
-            if qt.zero_point is not None:
-                out["weight_zero_point"] = pack_ct_zero_point(qt.zero_point.reshape(qt.scale.shape), s.num_bits)
-            return out
-        scale_dtype = torch.float32 if s.is_fp8 else dtype
-        return {"weight": qt.values, "weight_scale": qt.scale.to(scale_dtype)}
+    def config_group(self, scheme: ModuleScheme, targets: list[str]) -> dict:
+        # GPTQ's static act-order changes only how the values were chosen: "weight" records it, nothing to decode
+        actorder = "weight" if self.recipe.gptq_actorder is not None else None
+        return {"targets": targets, "weights": ct_args(scheme.weights, actorder),
+                "input_activations": ct_args(scheme.activations) if scheme.activations else None,
+                "output_activations": None, "format": ct.ct_format(scheme)}
 
     def quantization_config(self) -> dict:
         r = self.recipe
-        # GPTQ's static act-order changes only how the values were chosen: "weight" records it, nothing to decode
-        actorder = "weight" if r.gptq_actorder is not None else None
-        group = {"targets": ["Linear"], "weights": ct_args(r.weights, actorder),
-                 "input_activations": ct_args(r.activations) if r.activations else None,
-                 "output_activations": None, "format": self.format}
+        groups = {"group_0": self.config_group(r.default_scheme, ["Linear"])}
+        for scheme, modules in self.groups.items():
+            if scheme != r.default_scheme:
+                names, regexes = override_patterns(modules, self.source.arch)
+                groups[f"group_{len(groups)}"] = self.config_group(scheme, names + [f"re:{x}" for x in regexes])
+        formats = {g["format"] for g in groups.values()}
         return {
             "quant_method": "compressed-tensors",
-            "format": self.format,
+            "format": formats.pop() if len(formats) == 1 else MIXED,
             "quantization_status": "compressed",
             "version": ct_version(),
-            "config_groups": {"group_0": group},
-            "ignore": sorted(set(self.ignored)),
+            "config_groups": groups,
+            "ignore": sorted({*self.ignored, *self.routers}),
             "kv_cache_scheme": dict(KV_SCHEME) if r.kv_cache is not None else None,
             "sparsity_config": {},
             "transform_config": {},
@@ -179,23 +189,29 @@ QUANT_SUFFIXES = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_z
 
 @register_reader
 class CompressedTensorsCheckpoint(Checkpoint):
+    """Each module's scheme resolved as compressed-tensors resolves it: the config groups' targets by exact name,
+    then by regex (re.match), then by class name ("Linear": every quantized module here). A module that holds
+    quantized tensors although `ignore` covers it is decoded all the same: the coverage check reports it."""
+
     format = "vllm"
 
-    @staticmethod
-    def detect(path: Path) -> bool:
-        return (config_quantization(path) or {}).get("quant_method") == "compressed-tensors"
+    QUANT_METHOD = "compressed-tensors"
 
     def __init__(self, path: Path):
         super().__init__(path)
-        cfg = json.loads((self.path / "config.json").read_text())
-        self.qconfig = cfg.pop("quantization_config")
+        cfg, self.qconfig = self._read_config()
         self.hf_config = cfg
         groups = list(self.qconfig["config_groups"].values())
-        if len(groups) != 1:
-            raise UsageError(f"{path}: {len(groups)} quantization config groups", "qtk reads single-group compressed-tensors checkpoints")
-        self.ct_format = self.qconfig.get("format") or groups[0].get("format")
-        self.weights_scheme = _scheme(groups[0]["weights"])
-        self.activations = _scheme(groups[0].get("input_activations"))
+        if not groups:
+            raise UsageError(f"{path}: no quantization config groups", "the checkpoint is not quantized; nothing to read")
+        top = self.qconfig.get("format")
+        # (targets, ModuleScheme, format) per group, in the config's order; a top-level format other than
+        # "mixed-precision" is every group's
+        self.groups = [(list(g.get("targets") or []),
+                        ModuleScheme(_scheme(g["weights"]), _scheme(g.get("input_activations"))),
+                        top if top and top != MIXED else g.get("format")) for g in groups]
+        self.ct_format = top if top != MIXED else None  # the format of every group, when they share one
+        self.weights_scheme, self.activations = self.groups[0][1].weights, self.groups[0][1].activations
         kv = self.qconfig.get("kv_cache_scheme")
         self.kv_cache = None if not kv else ("fp8" if kv.get("type") == "float" else "int8")
         dt = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
@@ -204,26 +220,36 @@ class CompressedTensorsCheckpoint(Checkpoint):
     def ignore_patterns(self) -> list[str]:
         return list(self.qconfig.get("ignore") or [])
 
+    def _group_of(self, module: str):
+        """(ModuleScheme, format) of a module by compressed-tensors' precedence; None when no target matches."""
+        exact = [g for g in self.groups if module in g[0]]
+        regex = [g for g in self.groups if any(t.startswith("re:") and re.match(t[3:], module) for t in g[0])]
+        by_class = [g for g in self.groups if "Linear" in g[0]]
+        chosen = (exact or regex or by_class or [None])[0]
+        return None if chosen is None else (chosen[1], chosen[2] or ct.ct_format(chosen[1]))
+
+    def scheme_for(self, module: str) -> ModuleScheme | None:
+        g = self._group_of(module) if module in self._module_set else None
+        return None if g is None else g[0]
+
+    def format_of(self, module: str) -> str:
+        return self._group_of(module)[1]
+
     def modules(self) -> list[str]:
         return sorted(n[: -len(".weight_scale")] for n in self.tensor_names() if n.endswith(".weight_scale"))
 
     def qtensor(self, module: str) -> QTensor:
-        s = self.weights_scheme
-        scale = self.tensor(f"{module}.weight_scale").float()
-        zero = None
-        if self.has(f"{module}.weight_packed"):
-            out_f, in_f = self.tensor(f"{module}.weight_shape").tolist()
-            values = unpack_ct(self.tensor(f"{module}.weight_packed"), s.num_bits, in_f)
-            if self.has(f"{module}.weight_zero_point"):
-                zero = unpack_ct_zero_point(self.tensor(f"{module}.weight_zero_point"), s.num_bits, out_f).float()
-        else:
-            values = self.tensor(f"{module}.weight")
-        # older compressed-tensors checkpoints (actorder "group") carry a g_idx; decoding without it would be wrong
-        g_idx = self.tensor(f"{module}.weight_g_idx").to(torch.int32) if self.has(f"{module}.weight_g_idx") else None
-        return QTensor(values, scale, s, zero, g_idx, self.dtype)
+        scheme = self.scheme_for(module)
+        if scheme is None:
+            raise UsageError(f"{module} holds quantized tensors but no config group targets it",
+                             "the checkpoint does not match its config")
+        return ct.decode(self.tensors(module), scheme.weights, self.dtype)
 
     def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
-        s, fmt = self.weights_scheme, self.ct_format
+        scheme = self.scheme_for(module)
+        if scheme is None:
+            return [f"{module} holds quantized tensors but no config group targets it"]
+        s, fmt = scheme.weights, self.format_of(module)
         out_f, in_f = shape
         problems: list[str] = []
         if fmt == "pack-quantized":
@@ -252,18 +278,21 @@ class CompressedTensorsCheckpoint(Checkpoint):
         if self.has(gi):
             expect_tensor(self, gi, (torch.int32, torch.int64), [in_f], problems)
         ins = f"{module}.input_scale"
-        if self.activations is not None and not self.activations.dynamic:
+        if scheme.static_activations:
             expect_tensor(self, ins, FLOATS, SCALAR, problems, " (the config declares static activations)")
         elif self.has(ins):
-            problems.append(f"{ins} is present but the config declares {'dynamic' if self.activations else 'no'} activation quantization")
+            problems.append(f"{ins} is present but the config declares {'dynamic' if scheme.activations else 'no'} activation quantization")
         return problems
 
     def format_problems(self) -> list[str]:
-        s, fmt, out = self.weights_scheme, self.ct_format, []
-        if fmt == "float-quantized" and not s.is_fp8 or fmt == "int-quantized" and s.is_fp8:
-            out.append(f"config format {fmt} contradicts its weights scheme ({s.describe()})")
-        if fmt == "pack-quantized" and (s.is_fp8 or s.num_bits not in (2, 4, 8)):
-            out.append(f"config format pack-quantized cannot hold {s.describe()} weights")
+        out = []
+        for _, scheme, fmt in self.groups:
+            s = scheme.weights
+            fmt = fmt or ct.ct_format(scheme)
+            if fmt == "float-quantized" and not s.is_fp8 or fmt == "int-quantized" and s.is_fp8:
+                out.append(f"config format {fmt} contradicts its weights scheme ({s.describe()})")
+            if fmt == "pack-quantized" and (s.is_fp8 or s.num_bits not in (2, 4, 8)):
+                out.append(f"config format pack-quantized cannot hold {s.describe()} weights")
         if self.kv_cache is None:
             stray = [n for n in self.tensor_names() if n.endswith((".k_scale", ".v_scale"))]
             if stray:
@@ -275,10 +304,10 @@ class CompressedTensorsCheckpoint(Checkpoint):
         return self.tensor(n).float() if self.has(n) else None
 
     def kv_tensor_names(self, layer: int) -> str:
-        return f"model.layers.{layer}.self_attn.k_scale / v_scale"
+        return f"{self.attention(layer)}.k_scale / v_scale"
 
     def kv_scales(self, layer: int) -> tuple[float, float] | None:
-        base = f"model.layers.{layer}.self_attn"
+        base = self.attention(layer)
         if not (self.has(f"{base}.k_scale") and self.has(f"{base}.v_scale")):
             return None
         return float(self.tensor(f"{base}.k_scale").reshape(-1)[0]), float(self.tensor(f"{base}.v_scale").reshape(-1)[0])

@@ -187,18 +187,11 @@ def replace_module(root: torch.nn.Module, name: str, new: torch.nn.Module) -> No
     setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
-def _fusion_groups(model_type: str, config: dict) -> tuple:
-    from qtk.model.arch import ARCHS, arch_for
-
-    if model_type not in ARCHS:  # a checkpoint of a family qtk does not convert: simulate module by module
-        return ()
-    return arch_for(model_type, {**config, "model_type": model_type}).fusion_groups
-
-
 def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_kv: bool = True,
                           dtype: torch.dtype = torch.float32):
-    """The model a checkpoint describes, as the engine runs it: dequantized weights read from disk,
-    activations and the KV cache fake-quantized with the checkpoint's own scales."""
+    """The model a checkpoint describes, as the engine runs it: dequantized weights read from disk, each Linear's
+    activations fake-quantized with the scheme and static scale its config gives that module (ckpt.scheme_for), and
+    the KV cache with the checkpoint's own scales. Module names come from the architecture table (ckpt.names)."""
     from transformers import AutoConfig
 
     from qtk.model.source import meta_skeleton
@@ -208,12 +201,13 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
     model_type = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg_dict)
     model = meta_skeleton(config, dtype=dtype)
+    names = ckpt.names
     sd = {k: v.to(dtype) for k, v in ckpt.dense_state_dict().items()}
     modules = ckpt.modules()
     for m in modules:
         sd[f"{m}.weight"] = engine_weight(ckpt.qtensor(m)).to(dtype)
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    if getattr(config, "tie_word_embeddings", False) and f"{names.lm_head}.weight" not in sd:
+        sd[f"{names.lm_head}.weight"] = sd[f"{names.embed}.weight"]
     expected = {k for k, v in model.state_dict().items() if v.is_meta}
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - set(model.state_dict()))
     if missing or unexpected:
@@ -221,20 +215,22 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
     model.load_state_dict(sd, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    act = ckpt.activations if simulate_activations else None
     for m in modules:
         lin = model.get_submodule(m)
+        scheme = ckpt.scheme_for(m)
+        act = scheme.activations if (simulate_activations and scheme is not None) else None
         scale = ckpt.input_scale(m) if act is not None and not act.dynamic else None
         replace_module(model, m, QLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), act, scale))
-    fuse_groups(model, modules, _fusion_groups(model_type, cfg_dict))
+    # a checkpoint of a family qtk does not convert is simulated module by module
+    fuse_groups(model, modules, ckpt.arch.fusion_groups if ckpt.arch is not None else ())
     use_qtk_attention(model)
     if simulate_kv and ckpt.kv_cache:
-        for i, layer in enumerate(model.model.layers):
+        for i, layer in enumerate(model.get_submodule(names.layers)):
             scales = ckpt.kv_scales(i)
             if scales is None:  # simulating without it would judge a model the engine never runs
                 from qtk.errors import CheckFailed
 
                 raise CheckFailed(f"{ckpt.kv_tensor_names(i)} missing although the config declares an {ckpt.kv_cache} "
                                   "KV cache", f"run qtk inspect {ckpt.path}")
-            set_kv_hook(layer.self_attn, kv_fake_quant(ckpt.kv_cache, *scales))
+            set_kv_hook(layer.get_submodule(names.attn), kv_fake_quant(ckpt.kv_cache, *scales))
     return model.eval()

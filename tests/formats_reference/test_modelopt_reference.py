@@ -13,7 +13,7 @@ import pytest
 import torch
 from reference_model import HERE, SAMPLE_LINEAR, SPEC, calibration_ids, decode_sample, weights
 
-from qtk.export.trtllm import pack_int4_pairs, unpack_int4_pairs
+from qtk.export.codecs.trtllm import pack_int4_pairs, unpack_int4_pairs
 from qtk.quant.fp4 import FP4_MAX, e2m1_table, fp4_decode, pack_fp4, unpack_fp4
 from qtk.quant.fp8_block import fp8_block_quantize, fp8_block_scales
 from qtk.quant.mx import e8m0_decode, mx_scales, mxfp4_dequantize, mxfp4_quantize, mxfp8_quantize

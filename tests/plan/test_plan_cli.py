@@ -135,7 +135,8 @@ def test_a_weights_file_is_refused_in_one_line(tmp_path):
 
 def test_tp_must_divide_the_heads_like_convert_requires(tmp_path):
     """--tp 3 on 32 attention heads "fitted" and printed --tensor-parallel-size 3."""
-    from qtk.export.trtllm import Geometry
+    from qtk.export.trtllm.sharding import check_geometry
+    from qtk.model.arch import Geometry
 
     r = run(CONFIGS / "llama-3-8b.json", "--tp", 3)
     assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2
@@ -143,7 +144,7 @@ def test_tp_must_divide_the_heads_like_convert_requires(tmp_path):
     assert "tensor-parallel-size 3" not in r.output
     # one rule, shared with the trtllm writer: the same geometry gets the same refusal, word for word
     with pytest.raises(UsageError) as e:
-        Geometry(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256).check(3, 1, None)
+        check_geometry(Geometry(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256), 3, 1)
     assert str(e.value) == str(r.exception)
     rr = run(CONFIGS / "llama-3-8b.json", "--recommend", "--tp", 3)
     assert isinstance(rr.exception, UsageError) and "does not divide the attention heads" in str(rr.exception)

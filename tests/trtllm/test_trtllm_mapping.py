@@ -8,7 +8,10 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import ExportOptions
 from qtk.export.modelopt import modelopt_quant
-from qtk.export.trtllm import Geometry, TRTLLMWriter, pack_int4_pairs, trtllm_quant, unpack_int4_pairs
+from qtk.export.codecs.trtllm import pack_int4_pairs, unpack_int4_pairs
+from qtk.export.trtllm import TRTLLMWriter, trtllm_quant
+from qtk.export.trtllm.sharding import check_geometry
+from qtk.model.arch import Geometry
 from qtk.recipe import builtin_recipes, load_recipe, parse_recipe
 
 FP8T = {"num_bits": 8, "type": "float", "strategy": "tensor"}
@@ -126,10 +129,10 @@ GEO = Geometry(layers=4, hidden=256, intermediate=512, heads=8, kv_heads=2, head
 ])
 def test_geometry_checks(tp, pp, group, ok):
     if ok:
-        GEO.check(tp, pp, group)
+        check_geometry(GEO, tp, pp, (group,) if group else ())
     else:
         with pytest.raises(UsageError) as e:
-            GEO.check(tp, pp, group)
+            check_geometry(GEO, tp, pp, (group,) if group else ())
         assert e.value.fix
 
 
@@ -177,7 +180,7 @@ def test_every_int4_pair_value():
 
 
 def test_fp8_fused_scales_are_unified_by_requantizing_to_the_largest():
-    from qtk.export.trtllm import _unify_tensor_scale
+    from qtk.export.trtllm.writer import unify_tensor_scale as _unify_tensor_scale
     from qtk.quant.qtensor import QTensor
     from qtk.recipe import QuantScheme
 

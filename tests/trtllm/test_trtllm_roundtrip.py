@@ -194,7 +194,7 @@ def _build_quantize_spec(w: torch.Tensor, bits: int):
 def test_trtllm_build_quantization_of_plain_weights_is_simulated_as_the_build_does(outputs):
     """W8A16 / W4A16 checkpoints hold plain weights that trtllm-build quantizes with its own grid (amax/128, amax/8),
     not qtk's (amax/127.5, amax/7.5): the reader must simulate that build, which is what the engine then runs."""
-    from qtk.export.trtllm import trtllm_build_weight_only
+    from qtk.export.codecs.trtllm import trtllm_build_weight_only
     from qtk.recipe import QuantScheme
 
     w = torch.tensor([[2.0, -1.0, 1 / 128, -3 / 128, 5 / 128, 0.0]])  # scale 1/64: 128, -64, 0.5, -1.5, 2.5, 0 steps

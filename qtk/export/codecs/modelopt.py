@@ -1,0 +1,45 @@
+"""ModelOpt unified Hugging Face layouts (docs/formats.md, hf-modelopt), per quantized Linear X in HF names:
+
+    FP8        X.weight fp8 [out, in], X.weight_scale f32 0-dim, X.input_scale f32 0-dim (amax / 448)
+    W4A16_AWQ  X.weight uint8 [out/2, in] (int4 pairs, as TensorRT-LLM), X.weight_scale f32 [out, groups],
+               X.pre_quant_scale [in] (ones; only on Linears whose input is no norm output, as ModelOpt writes it)
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from qtk.errors import UsageError
+from qtk.export.codecs.trtllm import pack_int4_pairs, unpack_int4_pairs
+from qtk.quant.qtensor import QTensor
+from qtk.quant.scheme import FP8_MAX, QuantScheme
+
+SUFFIXES = (".weight_scale", ".input_scale", ".pre_quant_scale", ".k_scale", ".v_scale")
+
+
+def scalar(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)  # ModelOpt writes per-tensor scales as 0-dim tensors
+
+
+def encode(algo: str, qt: QTensor, amax: float | None, prequant: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """amax: the calibrated input range (FP8); prequant: write an identity pre_quant_scale (W4A16_AWQ)."""
+    if algo == "FP8":
+        return {"weight": qt.values, "weight_scale": scalar(float(qt.scale.reshape(()))),
+                "input_scale": scalar(amax / FP8_MAX if amax > 0 else 1.0)}
+    # the full int4 grid (docs/grids.md): TensorRT-LLM decodes q * s for every code -8..7
+    out = {"weight": pack_int4_pairs(qt.values).view(torch.uint8), "weight_scale": qt.scale.to(torch.float32)}
+    if prequant:
+        out["pre_quant_scale"] = torch.ones(qt.shape[1], dtype=dtype)
+    return out
+
+
+def decode(algo: str, t: Mapping[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype, where: str = "") -> QTensor:
+    scale = t["weight_scale"].float()
+    if algo == "FP8":
+        return QTensor(t["weight"], scale.reshape(1), scheme, None, None, dtype)
+    if "pre_quant_scale" in t and not bool((t["pre_quant_scale"] == 1).all()):
+        raise UsageError(f"{where}: pre_quant_scale is not all ones (AWQ scales kept outside the weights)",
+                         "qtk simulates checkpoints whose smoothing is folded into the weights, as qtk writes them")
+    return QTensor(unpack_int4_pairs(t["weight"]), scale, scheme, None, None, dtype)

@@ -1,0 +1,171 @@
+"""TensorRT-LLM layouts per quant_algo (docs/formats.md, trtllm), as NVIDIA ModelOpt exports them: the logical tensors
+of one Linear before tensor-parallel sharding, each with the axes it is split and concatenated along (`axes`, used by
+the writer to shard and by the reader to merge ranks back), what the reader expects of them (`layout`), and how the
+engine decodes them (`decode`).
+
+    FP8                                  weight fp8 [out, in], weights_scaling_factor f32 [1], activation_scaling_factor [1]
+    FP8_PER_CHANNEL_PER_TOKEN            weight fp8, per_channel_scale f32 [out]
+    W8A8_SQ_PER_CHANNEL                  weight int8, weights_scaling_factor [out], activation_scaling_factor [1],
+                                         prequant_scaling_factor [in] (ones: smoothing is folded)
+    W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN weight int8, per_channel_scale [1, out], smoother [1, in] on row-parallel ones
+    W4A16_AWQ                            weight int8 [out/2, in] (int4 pairs), weights_scaling_factor f32 [out, groups],
+                                         prequant_scaling_factor [in] (ones)
+    W8A16, W4A16                         plain weights in the model dtype: trtllm-build quantizes them itself
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from qtk.errors import UsageError
+from qtk.quant.qtensor import QTensor
+from qtk.quant.scheme import FP8_MAX, QuantScheme
+
+INT8_MAX = 127.0
+# weight-only algorithms whose checkpoint holds plain weights: trtllm-build quantizes them per channel
+PLAIN_ALGOS = {"W8A16": 8, "W4A16": 4}
+
+
+def pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:
+    """TensorRT-LLM / ModelOpt W4A16_AWQ weight: signed int4 q [out, in] -> int8 [out/2, in]; byte j of a column
+    holds rows 2j (low nibble) and 2j+1 (high nibble), two's complement."""
+    if q.shape[0] % 2:
+        raise ValueError(f"pack_int4_pairs: {q.shape[0]} output rows do not pair up")
+    q = q.to(torch.int16)
+    lo, hi = q[0::2] & 0xF, q[1::2] & 0xF
+    b = lo | (hi << 4)  # 0..255
+    return torch.where(b >= 128, b - 256, b).to(torch.int8)
+
+
+def unpack_int4_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4_pairs: int8 or uint8 [out/2, in] -> signed int8 [out, in]."""
+    b = packed.to(torch.int16) & 0xFF
+    lo, hi = b & 0xF, b >> 4
+    lo, hi = torch.where(lo >= 8, lo - 16, lo), torch.where(hi >= 8, hi - 16, hi)
+    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
+
+
+def axes(key: str, shape) -> tuple[int | None, int | None]:
+    """(out_axis, in_axis) of a stored tensor: the axis it splits along under column parallelism (and q/k/v are
+    concatenated along), and under row parallelism; None: the same on every rank."""
+    n = len(shape)
+    if key == "weight":
+        return 0, 1
+    if key == "bias":
+        return 0, None
+    if key == "weights_scaling_factor":
+        return (None, None) if n == 1 and shape[0] == 1 else ((0, None) if n == 1 else (0, 1))
+    if key == "per_channel_scale":
+        return (0, None) if n == 1 else (1, None)
+    if key == "prequant_scaling_factor":
+        return None, n - 1
+    if key == "smoother":
+        return None, 1
+    return None, None
+
+
+@dataclass
+class Part:
+    """One logical tensor of a TensorRT-LLM module before sharding; out_axis / in_axis say how it splits for
+    column- / row-parallel modules (None: the same on every rank). pack runs per rank (int4 pairs)."""
+
+    tensor: torch.Tensor
+    out_axis: int | None
+    in_axis: int | None
+    pack: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, key: str, tensor: torch.Tensor, pack=None, shape=None) -> "Part":
+        """The part with the axes `axes` gives its key (for the shape it is stored with, when packing changes it)."""
+        return cls(tensor, *axes(key, list(tensor.shape) if shape is None else shape), pack)
+
+
+def act_scale(amax: float | None, qmax: float) -> torch.Tensor:
+    if amax is None:
+        raise ValueError("static activation quantization needs a calibrated input amax")  # pipeline guarantees it
+    return torch.tensor([amax / qmax if amax > 0 else 1.0], dtype=torch.float32)
+
+
+def encode(algo: str, qt: QTensor, amax: float | None, dtype: torch.dtype, row: bool) -> dict[str, Part]:
+    """The logical tensors of one quantized Linear (before fusion and sharding). amax: its calibrated input range
+    (static activation algorithms); row: row-parallel (o_proj, down_proj)."""
+    out_f, in_f = qt.shape
+    f32 = torch.float32
+    if algo in PLAIN_ALGOS:
+        return {"weight": Part.of("weight", qt.dequantize().to(dtype))}
+    if algo == "FP8":
+        return {"weight": Part.of("weight", qt.values),
+                "weights_scaling_factor": Part.of("weights_scaling_factor", qt.scale.to(f32).reshape(1)),
+                "activation_scaling_factor": Part.of("activation_scaling_factor", act_scale(amax, FP8_MAX))}
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return {"weight": Part.of("weight", qt.values),
+                "per_channel_scale": Part.of("per_channel_scale", qt.scale.to(f32).reshape(out_f))}
+    if algo == "W8A8_SQ_PER_CHANNEL":  # ModelOpt layout: TensorRT-LLM's Int8SmoothQuantLinear
+        return {"weight": Part.of("weight", qt.values),
+                "weights_scaling_factor": Part.of("weights_scaling_factor", qt.scale.to(f32).reshape(out_f)),
+                "activation_scaling_factor": Part.of("activation_scaling_factor", act_scale(amax, INT8_MAX)),
+                # SmoothQuant is folded into the weights and norms by qtk: the pre-quant multiplier is one
+                "prequant_scaling_factor": Part.of("prequant_scaling_factor", torch.ones(in_f, dtype=dtype))}
+    if algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":  # SmoothQuantLinear / SmoothQuantRowLinear (plugin)
+        parts = {"weight": Part.of("weight", qt.values),
+                 "per_channel_scale": Part.of("per_channel_scale", qt.scale.to(f32).reshape(1, out_f))}
+        if row:
+            parts["smoother"] = Part.of("smoother", torch.ones(1, in_f, dtype=f32))
+        return parts
+    if algo == "W4A16_AWQ":
+        # qtk's full grid (-8..7, amax/7.5; ModelOpt exports amax/7): the group-wise kernel computes q * s for any code
+        return {"weight": Part.of("weight", qt.values, pack_int4_pairs),
+                "weights_scaling_factor": Part.of("weights_scaling_factor", qt.scale.to(f32)),
+                "prequant_scaling_factor": Part.of("prequant_scaling_factor", torch.ones(in_f, dtype=dtype))}
+    raise AssertionError(f"no layout for {algo}")
+
+
+def layout(algo: str, out_f: int, in_f: int, group_size: int | None, dtype: torch.dtype) -> dict[str, tuple]:
+    """What a reader expects of one Linear under `algo`, merged over ranks: key -> (dtypes, shape)."""
+    f32 = torch.float32
+    return {
+        "FP8": {"weight": ((torch.float8_e4m3fn,), [out_f, in_f]), "weights_scaling_factor": ((f32,), [1]),
+                "activation_scaling_factor": ((f32,), [1])},
+        "FP8_PER_CHANNEL_PER_TOKEN": {"weight": ((torch.float8_e4m3fn,), [out_f, in_f]), "per_channel_scale": ((f32,), [out_f])},
+        "W8A8_SQ_PER_CHANNEL": {"weight": ((torch.int8,), [out_f, in_f]), "weights_scaling_factor": ((f32,), [out_f]),
+                                "activation_scaling_factor": ((f32,), [1])},
+        "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": {"weight": ((torch.int8,), [out_f, in_f]), "per_channel_scale": ((f32,), [1, out_f])},
+        "W4A16_AWQ": {"weight": ((torch.int8, torch.uint8), [out_f // 2, in_f]),
+                      "weights_scaling_factor": ((f32,), [out_f, in_f // group_size if group_size else 0])},
+    }.get(algo, {"weight": ((dtype,), [out_f, in_f])})
+
+
+def trtllm_build_weight_only(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> QTensor:
+    """What trtllm-build does to the plain weights of a W8A16 / W4A16 checkpoint (TensorRT-LLM's
+    symmetric_quantize, cutlass_preprocessors.cpp): per output row, scale = amax / 2^(b-1) (amax/128, amax/8), kept in
+    float32 to quantize, q = round-half-away-from-zero(w / scale) clamped to [-2^(b-1), 2^(b-1)-1], and the scale
+    stored in the model dtype for the kernel, which computes q * scale. Not qtk's grid (amax/127.5, amax/7.5): the
+    build re-quantizes whatever it is given, so this is the only faithful simulation of what the engine runs."""
+    wf = w.float()  # [out, in]
+    scale = wf.abs().amax(1, keepdim=True) / (1 << (scheme.num_bits - 1))  # [out, 1], float32
+    x = torch.where(scale > 0, wf / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(wf))
+    q = (x.sign() * (x.abs() + 0.5).floor()).clamp(scheme.qmin, scheme.qmax).to(torch.int8)
+    return QTensor(q, scale.to(dtype).float(), scheme, None, None, dtype)
+
+
+def decode(algo: str, t: Mapping[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype, where: str = "") -> QTensor:
+    """The QTensor the engine computes with, from one Linear's tensors merged over ranks."""
+    if algo in PLAIN_ALGOS:  # plain weights: what trtllm-build's own quantization makes of them
+        return trtllm_build_weight_only(t["weight"].to(dtype), scheme, dtype)
+    for k in ("prequant_scaling_factor", "smoother"):
+        if k in t and not bool((t[k] == 1).all()):
+            raise UsageError(f"{where}: {k} is not all ones (smoothing kept outside the weights)",
+                             "qtk simulates checkpoints whose smoothing is folded into the weights, as qtk writes them")
+    if algo == "W4A16_AWQ":
+        return QTensor(unpack_int4_pairs(t["weight"]), t["weights_scaling_factor"].float(), scheme, None, None, dtype)
+    w = t["weight"]
+    if algo == "FP8":
+        scale = t["weights_scaling_factor"].float().reshape(1)
+    elif "per_channel_scale" in t:
+        scale = t["per_channel_scale"].float().reshape(-1, 1)
+    else:
+        scale = t["weights_scaling_factor"].float().reshape(-1, 1)
+    return QTensor(w, scale, scheme, None, None, dtype)
