@@ -182,7 +182,7 @@ def checkpoint_arch(ck):
 def expected_quantized(ck, arch, recipe) -> list[str]:
     """Linears of every decoder layer per the architecture table, less the recipe's ignore (when known) or else
     the checkpoint's own exclusions."""
-    from qtk.pipeline import matches
+    from qtk.recipe import matches
 
     ignore = list(recipe.ignore) if recipe is not None else ck.ignore_patterns()
     n = int(ck.hf_config["num_hidden_layers"])
@@ -388,7 +388,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
 
 
 def _ignored(module: str, ck) -> bool:
-    from qtk.pipeline import matches
+    from qtk.recipe import matches
 
     return matches(module, ck.ignore_patterns())
 

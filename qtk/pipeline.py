@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -22,7 +22,7 @@ from qtk.model.simulate import (
     use_qtk_attention,
 )
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import Recipe
+from qtk.recipe import Recipe, matches  # noqa: F401 (matches re-exported)
 
 
 @dataclass
@@ -37,6 +37,9 @@ class LayerResult:
     v_amax: float | None = None
     weight_error: dict[str, float] = field(default_factory=dict)  # full module name -> ||W - Q(W)|| / ||W||
     records: dict = field(default_factory=dict)  # small search results (smoothing scales, clips, GPTQ damping)
+    # full names of the layer's Linears left unquantized (ignored ones, MoE routers): computed once, here, for every
+    # writer's list of excluded modules
+    dense_linears: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,17 +86,6 @@ class _Catcher(torch.nn.Module):
         return hidden_states
 
 
-def matches(name: str, patterns: Iterable[str]) -> bool:
-    """compressed-tensors-style ignore: exact name, a dotted suffix, or 're:' regex (full match)."""
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.fullmatch(p[3:], name):
-                return True
-        elif name == p or name.endswith("." + p):
-            return True
-    return False
-
-
 def target_linears(source, recipe: Recipe, i: int) -> list[str]:
     """The layer's Linears (relative names) that the recipe quantizes; an ignore that splits a fused
     group (q/k/v, gate/up) is refused, since engines fuse those into one GEMM."""
@@ -105,6 +97,10 @@ def target_linears(source, recipe: Recipe, i: int) -> list[str]:
         if inside and len(inside) != len(g):
             raise UsageError(f"ignore splits the fused group {', '.join(g)} in layer {i}",
                              "ignore all of q/k/v (or gate/up) together, or none")
+        if len({recipe.scheme_for(prefix + m) for m in inside}) > 1:
+            raise UsageError(f"recipe {recipe.name}: overrides give the fused group {', '.join(g)} of layer {i} different "
+                             "schemes, but the engines run it as one GEMM with one scheme",
+                             "target all of q/k/v (or gate/up) with the same override, or none of them")
     return kept
 
 
@@ -112,7 +108,8 @@ def check_ignore(source, recipe: Recipe) -> None:
     """Before any work: every ignore pattern names at least one Linear of the model (a typo would otherwise
     quantize what the user meant to keep), lm_head is among the ignored (qtk quantizes decoder-layer Linears
     only and writes lm_head in 16 bits, so a recipe that does not ignore it would not say what happens), and
-    no layer's fused group is split."""
+    no layer's fused group is split by ignore or given two schemes by overrides; every override target names a
+    Linear too."""
     arch = source.arch
     linears = [source.layer_prefix(i) + m for i in range(source.num_layers) for m in (*arch.linears, *arch.dense_linears)]
     linears.append(arch.lm_head)
@@ -121,6 +118,12 @@ def check_ignore(source, recipe: Recipe) -> None:
             raise UsageError(f"recipe {recipe.name}: ignore pattern {p!r} matches no Linear of this {arch.name} model",
                              f"fix or remove it; Linears are named like {linears[0]} or {arch.lm_head} "
                              "(a dotted suffix such as 'mlp.down_proj', or 're:' and a full-match regex)")
+    for k, o in enumerate(recipe.overrides):
+        for p in o.targets:
+            if not any(matches(n, (p,)) for n in linears):
+                raise UsageError(f"recipe {recipe.name}: overrides[{k}] target {p!r} matches no Linear of this {arch.name} model",
+                                 f"fix or remove it; Linears are named like {linears[0]} "
+                                 "(a dotted suffix such as 'mlp.down_proj', or 're:' and a full-match regex)")
     if not matches(arch.lm_head, recipe.ignore):
         raise UsageError(f"recipe {recipe.name}: ignore does not list {arch.lm_head}, but qtk keeps {arch.lm_head} in 16 bits "
                          "(it quantizes the decoder layers' Linears only)",
@@ -134,33 +137,33 @@ GROUP_SIZES = (256, 128, 64, 32, 16)  # what the engines' group-wise kernels are
 
 def check_group_size(source, recipe: Recipe) -> None:
     """Every targeted Linear's in_features (from the safetensors headers, no data read) must be a multiple of the
-    recipe's group size; refused before any work, suggesting only group sizes that divide all of them."""
+    group size of its scheme; refused before any work, suggesting only group sizes that divide every Linear that
+    scheme covers."""
     import math
 
-    w = recipe.weights
-    if w.strategy != "group":
-        return
-    sizes: dict[int, str] = {}  # in_features -> the first Linear with it
+    by_group: dict[int, dict[int, str]] = {}  # group size -> in_features -> the first Linear with it
     for i in range(source.num_layers):
         prefix = source.layer_prefix(i)
         for t in target_linears(source, recipe, i):
+            w = recipe.scheme_for(prefix + t).weights
             name = f"{prefix}{t}.weight"
-            if name not in source.weight_map:
+            if w.strategy != "group" or name not in source.weight_map:
                 continue  # the skeleton check names missing tensors
             shape = source.shape(name)
             if len(shape) == 2:
-                sizes.setdefault(int(shape[1]), prefix + t)
-    bad = {n: m for n, m in sizes.items() if n % w.group_size}
-    if not bad:
-        return
-    n, m = min(bad.items())
-    common = math.gcd(*sizes)
-    fits = [g for g in GROUP_SIZES if common % g == 0 and g != w.group_size][:2]
-    fix = (f"use group_size {' or '.join(map(str, fits))} (they divide every quantized Linear's input size: "
-           f"{', '.join(map(str, sorted(sizes)))})" if fits else
-           f"no group size of {', '.join(map(str, GROUP_SIZES))} divides every input size ({', '.join(map(str, sorted(sizes)))}): "
-           "use strategy: channel, or ignore the Linears that do not fit")
-    raise UsageError(f"group_size {w.group_size} does not divide in_features {n} of {m}", fix)
+                by_group.setdefault(w.group_size, {}).setdefault(int(shape[1]), prefix + t)
+    for group_size, sizes in by_group.items():
+        bad = {n: m for n, m in sizes.items() if n % group_size}
+        if not bad:
+            continue
+        n, m = min(bad.items())
+        common = math.gcd(*sizes)
+        fits = [g for g in GROUP_SIZES if common % g == 0 and g != group_size][:2]
+        fix = (f"use group_size {' or '.join(map(str, fits))} (they divide every quantized Linear's input size: "
+               f"{', '.join(map(str, sorted(sizes)))})" if fits else
+               f"no group size of {', '.join(map(str, GROUP_SIZES))} divides every input size ({', '.join(map(str, sorted(sizes)))}): "
+               "use strategy: channel, or ignore the Linears that do not fit")
+        raise UsageError(f"group_size {group_size} does not divide in_features {n} of {m}", fix)
 
 
 def compute_dtype(source) -> torch.dtype:
@@ -286,6 +289,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
         v_amax=None if kv is None else kv.v,
         weight_error=errors,
         records={k: v for k, v in records.items() if v},
+        dense_linears=tuple(prefix + m for m in (*arch.linears, *arch.dense_linears) if m not in targets),
     )
     return result, next_batches
 

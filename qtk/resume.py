@@ -29,7 +29,7 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import QuantScheme
+from qtk.quant.scheme import QuantScheme
 
 STATE_DIR = ".qtk-resume"
 FORMAT = 2  # layout version: state written by another layout is stale
@@ -150,6 +150,7 @@ class ResumeState:
         tmp, final = self.dir / f".tmp-{_layer_name(i)}", self.dir / _layer_name(i)
         tensors, record = {}, {"qweights": {}, "input_amax": result.input_amax, "k_amax": result.k_amax,
                                "v_amax": result.v_amax, "weight_error": result.weight_error, "records": result.records,
+                               "dense_linears": list(result.dense_linears),
                                "dense": list(result.dense)}
         for m, qt in result.qweights.items():
             tensors[f"q/{m}/values"] = qt.values
@@ -212,7 +213,8 @@ class ResumeState:
                                   t.get(f"q/{m}/zero_point"), t.get(f"q/{m}/g_idx"), getattr(torch, info["dtype"]))
         dense = {n: t[f"d/{n}"] for n in s["dense"]}
         return LayerResult(index=i, qweights=qweights, dense=dense, input_amax=s["input_amax"], k_amax=s["k_amax"],
-                           v_amax=s["v_amax"], weight_error=s["weight_error"], records=s["records"])
+                           v_amax=s["v_amax"], weight_error=s["weight_error"], records=s["records"],
+                           dense_linears=tuple(s["dense_linears"]))
 
     def load_hidden(self) -> list[torch.Tensor]:
         """The inputs of layer `completed`, saved with the layer before it."""

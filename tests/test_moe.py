@@ -181,7 +181,7 @@ def test_smoothquant_fold_keeps_the_float_moe_layer(moe_models, calib_file, mode
     """post_attention_layernorm feeds the router and every expert: one s is folded into the norm, every
     expert's gate/up columns and the router's columns, so routing and the layer output do not change."""
     from qtk import calibrate as cal
-    from qtk.algorithms.params import STEP_PARAMS
+    from qtk.recipe.params import STEP_PARAMS
     from qtk.calib import calibration_ids, load_texts
     from qtk.pipeline import capture_layer_inputs
 
@@ -268,7 +268,7 @@ def test_other_targets_quantize_every_expert_and_exclude_routers(moe_models, cal
     mods = ck.modules()
     assert len([m for m in mods if ".mlp.experts." in m]) == E * 3 * LAYERS
     assert not [m for m in mods if m.endswith("mlp.gate")]
-    from qtk.pipeline import matches
+    from qtk.recipe import matches
 
     excluded = ck.ignore_patterns()
     assert all(matches(f"model.layers.{i}.mlp.gate", excluded) for i in range(LAYERS)), excluded

@@ -129,3 +129,86 @@ def test_gptq_actorder_refusals_name_the_fix(params, problem, fix):
         parse_recipe({"name": "x", "weights": W4G, "algorithm": [{"gptq": params}]}, origin="r.yaml")
     msg = str(e.value)
     assert problem in msg and fix in msg and msg.startswith("r.yaml: algorithm[0].gptq") and "\n" not in msg, msg
+
+
+# ---- a scheme per module: overrides and scheme_for ----
+
+MIXED = {
+    "name": "w4-sensitive-int8",
+    "weights": {"num_bits": 4, "strategy": "group", "group_size": 128},
+    "overrides": [
+        {"targets": ["re:.*layers\\.0\\..*"], "weights": {"num_bits": 8, "strategy": "channel"}},
+        {"targets": ["mlp.down_proj", "re:.*layers\\.0\\.mlp\\.down_proj"], "weights": {"num_bits": 4, "strategy": "channel"}},
+    ],
+    "ignore": ["lm_head", "model.layers.1.self_attn.o_proj"],
+    "algorithm": ["gptq"],
+}
+
+
+def test_scheme_for_ignore_then_first_override_then_default():
+    r = parse_recipe(MIXED)
+    int8 = r.scheme_for("model.layers.0.self_attn.q_proj")
+    assert (int8.weights.num_bits, int8.weights.strategy, int8.activations) == (8, "channel", None)
+    # layer 0's down_proj matches both rules: the first one wins
+    assert r.scheme_for("model.layers.0.mlp.down_proj") == int8
+    ch4 = r.scheme_for("model.layers.3.mlp.down_proj")
+    assert (ch4.weights.num_bits, ch4.weights.strategy) == (4, "channel")
+    default = r.scheme_for("model.layers.3.mlp.up_proj")
+    assert default == r.default_scheme and default.weights.group_size == 128
+    # ignore wins over every rule
+    assert r.scheme_for("model.layers.1.self_attn.o_proj") is None and r.scheme_for("lm_head") is None
+    assert r.mixed and len(r.schemes) == 3 and r.schemes[0] == r.default_scheme
+    assert "+2 overrides" in r.summary()
+
+
+def test_override_activations_inherit_unless_given():
+    doc = {"name": "w8a8", "weights": {"num_bits": 8}, "activations": {"num_bits": 8, "strategy": "token", "dynamic": True},
+           "overrides": [{"targets": ["mlp.down_proj"], "weights": {"num_bits": 8, "strategy": "tensor"}},
+                         {"targets": ["o_proj"], "weights": {"num_bits": 8}, "activations": None}]}
+    r = parse_recipe(doc)
+    assert r.scheme_for("model.layers.0.mlp.down_proj").activations == r.activations
+    assert r.scheme_for("model.layers.0.self_attn.o_proj").activations is None
+    static = parse_recipe({**doc, "overrides": [{"targets": ["o_proj"], "weights": {"num_bits": 8},
+                                                  "activations": {"num_bits": 8, "strategy": "tensor"}}]})
+    assert static.static_activations and static.needs_calibration
+    assert not parse_recipe({**doc, "algorithm": ["rtn"], "overrides": []}).static_activations
+
+
+@pytest.mark.parametrize("overrides,problem,fix", [
+    ({"targets": ["q_proj"]}, "overrides[0]: missing key 'weights'", "weights:"),
+    ({"weights": {"num_bits": 8}}, "overrides[0]: missing key 'targets'", "targets:"),
+    ({"targets": [], "weights": {"num_bits": 8}}, "targets must be a non-empty list", "targets:"),
+    ({"targets": ["re:(("], "weights": {"num_bits": 8}}, "is not a valid regex", "fix the pattern"),
+    ({"targets": ["o_proj"], "weights": {"num_bits": 8}, "scheme": "x"}, "overrides[0]: unknown key 'scheme'", "valid keys"),
+    ({"targets": ["o_proj"], "weights": {"num_bits": 4, "strategy": "group", "group_size": 64},
+      "activations": {"num_bits": 8, "strategy": "token", "dynamic": True}}, "4-bit weights with 8-bit activations", "drop activations"),
+    ({"targets": ["o_proj"], "weights": {"num_bits": 3}}, "overrides[0]: weights.num_bits: int3 is not supported", "use one of"),
+])
+def test_bad_overrides_name_problem_and_fix(overrides, problem, fix):
+    with pytest.raises(UsageError) as e:
+        parse_recipe({"name": "x", "weights": {"num_bits": 8}, "overrides": [overrides]}, origin="x.yaml")
+    assert problem in e.value.problem and fix in e.value.fix, (e.value.problem, e.value.fix)
+    with pytest.raises(UsageError, match="overrides must be a list"):
+        parse_recipe({"name": "x", "weights": {"num_bits": 8}, "overrides": {"targets": ["o_proj"]}})
+
+
+def test_overrides_are_checked_against_the_model(tmp_path, tiny_llama):
+    """Before any work: a rule that gives q/k/v (or gate/up) different schemes, and a target that matches no Linear."""
+    from qtk.model.source import ModelSource
+    from qtk.pipeline import check_ignore, check_group_size
+
+    src = ModelSource(tiny_llama)
+    split = parse_recipe({**MIXED, "overrides": [{"targets": ["model.layers.1.self_attn.k_proj"], "weights": {"num_bits": 8}}]})
+    with pytest.raises(UsageError) as e:
+        check_ignore(src, split)
+    assert "fused group self_attn.q_proj, self_attn.k_proj, self_attn.v_proj of layer 1 different schemes" in e.value.problem
+    assert "same override" in e.value.fix
+    typo = parse_recipe({**MIXED, "overrides": [{"targets": ["mlp.dwn_proj"], "weights": {"num_bits": 8}}]})
+    with pytest.raises(UsageError, match=r"overrides\[0\] target 'mlp.dwn_proj' matches no Linear"):
+        check_ignore(src, typo)
+    check_ignore(src, parse_recipe(MIXED))  # whole groups: fine
+    # each module's group size is checked against its own scheme (hidden 128, intermediate 256)
+    g = parse_recipe({**MIXED, "overrides": [{"targets": ["mlp.down_proj"], "weights": {"num_bits": 4, "strategy": "group", "group_size": 96}}]})
+    with pytest.raises(UsageError, match="group_size 96 does not divide in_features 256 of model.layers.0.mlp.down_proj"):
+        check_group_size(src, g)
+    check_group_size(src, parse_recipe(MIXED))

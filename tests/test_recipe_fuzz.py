@@ -12,7 +12,7 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from qtk.algorithms.params import STEP_PARAMS
+from qtk.recipe.params import STEP_PARAMS
 from qtk.errors import QtkError
 from qtk.recipe import TOP_KEYS, Recipe, load_recipe, parse_recipe
 

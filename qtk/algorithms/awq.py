@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import torch
 
-from qtk.algorithms.params import AWQParams
+from qtk.recipe.params import AWQParams
 from qtk.algorithms.smooth import scale_linear_columns
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import QuantScheme
+from qtk.quant.scheme import QuantScheme
 
 CLIP_BATCH_ELEMENTS = 1 << 24  # bounds the [rows, tokens, n_groups] partial outputs of the clip search
 

@@ -15,11 +15,11 @@ from dataclasses import replace
 
 import torch
 
-from qtk.algorithms.params import GPTQParams
+from qtk.recipe.params import GPTQParams
 from qtk.errors import QtkError, UsageError
 from qtk.quant.qparams import dequantize_grouped, quantize_grouped, weight_qparams
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import QuantScheme
+from qtk.quant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import QuantScheme
+from qtk.quant.scheme import QuantScheme
 
 
 def rtn_quantize(W: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype | None = None) -> QTensor:

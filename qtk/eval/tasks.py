@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from qtk.errors import UsageError
-from qtk.recipe import check_keys
+from qtk.validation import check_keys
 
 TYPES = ("perplexity", "multiple_choice", "generate")
 # the fields every example of a type has after the field mapping

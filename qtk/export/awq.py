@@ -30,7 +30,7 @@ from qtk.export.gptq import (
 )
 from qtk.quant.pack import offset, pack_awq, unpack_awq
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import QuantScheme
+from qtk.quant.scheme import QuantScheme
 
 BITS = 4
 

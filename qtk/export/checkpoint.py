@@ -13,7 +13,7 @@ import torch
 
 from qtk.errors import CheckFailed
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import QuantScheme
+from qtk.quant.scheme import QuantScheme
 
 
 def config_quantization(path: Path) -> dict | None:

@@ -24,7 +24,7 @@ from qtk.export.checkpoint import FLOATS, Checkpoint, expect_tensor
 from qtk.export.safetensors_io import SafetensorsFile, ShardedWriter
 from qtk.quant.pack import offset, pack_gptq_qweight, pack_gptq_qzeros, unpack_gptq_qweight, unpack_gptq_qzeros
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import QuantScheme
+from qtk.quant.scheme import QuantScheme
 
 GPTQ_BITS = (4, 8)  # what vLLM's gptq_marlin runs; 2-bit has no fast kernel and packs differently in places
 FP16_TINY = 2.0**-24  # smallest positive float16 (subnormal)
@@ -212,7 +212,7 @@ class GPTQWriter(LegacyWriter):
 
     def quantization_config(self) -> dict:
         from qtk import __version__
-        from qtk.algorithms.params import GPTQParams
+        from qtk.recipe.params import GPTQParams
 
         r, w = self.recipe, self.recipe.weights
         step = r.step("gptq")

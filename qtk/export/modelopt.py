@@ -18,7 +18,7 @@ from qtk.export.base import Writer
 from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, config_quantization, expect_tensor
 from qtk.export.trtllm import AWQ_GROUP_SIZES, pack_int4_pairs, unpack_int4_pairs
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import FP8_MAX, QuantScheme
+from qtk.quant.scheme import FP8_MAX, QuantScheme
 
 SCHEMES = {
     "FP8": (QuantScheme(8, "float", True, "tensor"), QuantScheme(8, "float", True, "tensor")),

@@ -23,7 +23,7 @@ from qtk.export.checkpoint import Checkpoint
 from qtk.model.arch import DOWN, GATE, K, O, Q, UP, V, arch_for
 from qtk.model.config_check import check_tensor_parallel, tp_divisors
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import FP8_MAX, QuantScheme
+from qtk.quant.scheme import FP8_MAX, QuantScheme
 
 INT8_MAX = 127.0
 # TensorRT-LLM's group-wise int4 GEMM (weight_only_groupwise_quant_matmul) is built for these group sizes

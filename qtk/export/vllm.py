@@ -19,7 +19,7 @@ from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, config_quantizatio
 from qtk.export.safetensors_io import ShardedWriter
 from qtk.quant.pack import pack_ct, pack_ct_zero_point, unpack_ct, unpack_ct_zero_point
 from qtk.quant.qtensor import QTensor
-from qtk.recipe import FP8_MAX, QuantScheme
+from qtk.quant.scheme import FP8_MAX, QuantScheme
 
 KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
              "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
@@ -33,6 +33,23 @@ def ct_version() -> str:
         return md.version("compressed-tensors")
     except md.PackageNotFoundError:
         return "0.20.0"
+
+
+def ct_args(s: QuantScheme, actorder: str | None = None) -> dict:
+    """compressed-tensors QuantizationArgs keys for a scheme (only those it accepts). actorder: "weight" for GPTQ's
+    static activation ordering (the only one compressed-tensors 0.20 accepts), else None."""
+    return {
+        "num_bits": s.num_bits,
+        "type": s.type,
+        "symmetric": s.symmetric,
+        "group_size": s.group_size,
+        "strategy": s.strategy,
+        "block_structure": None,
+        "dynamic": s.dynamic,
+        "actorder": actorder,
+        "observer": None if s.dynamic else ("mse" if s.observer == "mse" else "minmax"),
+        "observer_kwargs": {},
+    }
 
 
 def ct_format(recipe) -> str:
@@ -123,8 +140,8 @@ class VLLMWriter(Writer):
         r = self.recipe
         # GPTQ's static act-order changes only how the values were chosen: "weight" records it, nothing to decode
         actorder = "weight" if r.gptq_actorder is not None else None
-        group = {"targets": ["Linear"], "weights": r.weights.to_ct_args(actorder),
-                 "input_activations": r.activations.to_ct_args() if r.activations else None,
+        group = {"targets": ["Linear"], "weights": ct_args(r.weights, actorder),
+                 "input_activations": ct_args(r.activations) if r.activations else None,
                  "output_activations": None, "format": self.format}
         return {
             "quant_method": "compressed-tensors",

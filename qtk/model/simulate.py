@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from qtk.quant.qparams import FP8_DTYPE, fake_quant_activation
-from qtk.recipe import FP8_MAX, QuantScheme
+from qtk.quant.scheme import FP8_MAX, QuantScheme
 
 ATTN_IMPL = "qtk"
 _registered = False

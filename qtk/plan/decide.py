@@ -143,9 +143,9 @@ def with_kv_cache(recipe, kv_type: str | None, name: str):
     if not isinstance(doc, dict):  # a recipe built in code has no text: derive it from its fields
         from dataclasses import replace
 
-        from qtk.recipe import QuantScheme
+        from qtk.recipe import parse_scheme
 
-        kv = None if kv_type is None else QuantScheme.parse({"num_bits": 8, "type": kv_type}, f"{name}: kv_cache", "kv_cache")
+        kv = None if kv_type is None else parse_scheme({"num_bits": 8, "type": kv_type}, f"{name}: kv_cache", "kv_cache")
         return replace(recipe, name=name, kv_cache=kv, description=f"{recipe.name} with {_kv_words(kv_type)}")
     doc.pop("kv_cache", None)
     doc = {"name": name, "description": f"{recipe.name} with {_kv_words(kv_type)} (combined by qtk plan --recommend)",

@@ -373,16 +373,10 @@ def model_tensors(s: ModelShape) -> list[TensorSpec]:
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
-    """compressed-tensors-style ignore, as qtk.pipeline applies it: exact name, a dotted suffix,
-    or 're:' regex (full match). Expert templates ('experts.*') are matched as expert 0."""
-    name = name.replace(".*.", ".0.")
-    for pat in patterns:
-        if pat.startswith("re:"):
-            if re.fullmatch(pat[3:], name):
-                return True
-        elif name == pat or name.endswith("." + pat):
-            return True
-    return False
+    """qtk.recipe.rules.matches, with expert templates ('experts.*') matched as expert 0."""
+    from qtk.recipe.rules import matches as match_rule
+
+    return match_rule(name.replace(".*.", ".0."), patterns)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from qtk.recipe import FP8_MAX, QuantScheme
+from qtk.quant.scheme import FP8_MAX, QuantScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
 _TINY = torch.finfo(torch.float32).tiny

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from qtk.quant.qparams import dequantize_weight, quantize_weight, weight_qparams
-from qtk.recipe import QuantScheme
+from qtk.quant.scheme import QuantScheme
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 
 import qtk.algorithms.awq as awq
 from qtk.algorithms.awq import apply_clip, awq_search_clip, awq_search_scales
-from qtk.algorithms.params import AWQParams
+from qtk.recipe.params import AWQParams
 from qtk.algorithms.rtn import rtn_quantize
 from qtk.algorithms.smooth import scale_linear_columns
 from qtk.recipe import QuantScheme

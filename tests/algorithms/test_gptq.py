@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qtk.algorithms.gptq import CholeskyFailed, accumulate_hessian, gptq_quantize
-from qtk.algorithms.params import GPTQParams
+from qtk.recipe.params import GPTQParams
 from qtk.algorithms.rtn import rtn_quantize
 from qtk.errors import UsageError
 from qtk.recipe import QuantScheme

@@ -239,7 +239,7 @@ def test_ignored_modules_declared(converted):
     # optimum (transformers) keeps only the modules whose names end with one of these
     kept = qc["modules_in_block_to_quantize"][0]
     assert len(kept) == 13 and "model.layers.1.mlp.down_proj" not in kept and "model.layers.0.mlp.down_proj" in kept
-    from qtk.pipeline import matches
+    from qtk.recipe import matches
 
     for target in ("gptq", "awq"):
         ck = open_checkpoint(converted["asym"][target])

@@ -8,6 +8,7 @@ import pytest
 from plan_helpers import CONFIGS, config, meta_model, shape
 
 from qtk.errors import UsageError
+from qtk.export.vllm import ct_args
 from qtk.plan.memory import (
     DTYPE_BYTES,
     ModelShape,
@@ -180,8 +181,8 @@ def _ct_meta_state(name: str, recipe):
     model = meta_model(name)
     qc = QuantizationConfig.model_validate({
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": recipe.weights.to_ct_args(),
-                                      "input_activations": recipe.activations.to_ct_args() if recipe.activations else None,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": ct_args(recipe.weights),
+                                      "input_activations": ct_args(recipe.activations) if recipe.activations else None,
                                       "format": fmt}},
         "ignore": list(recipe.ignore)})
     apply_quantization_config(model, qc)
@@ -227,7 +228,7 @@ def test_asymmetric_zero_points_pack_like_compressed_tensors():
     r = parse_recipe({"name": "asym", "weights": {"num_bits": 4, "symmetric": False, "strategy": "group", "group_size": 128}})
     qc = QuantizationConfig.model_validate({
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": r.weights.to_ct_args(), "format": "pack-quantized"}},
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": ct_args(r.weights), "format": "pack-quantized"}},
         "ignore": ["lm_head"]})
     apply_quantization_config(model, qc)
     for mod in model.modules():

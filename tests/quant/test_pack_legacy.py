@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from qtk.algorithms.gptq import accumulate_hessian, gptq_quantize
-from qtk.algorithms.params import GPTQParams
+from qtk.recipe.params import GPTQParams
 from qtk.quant.pack import (
     AWQ_ORDER,
     pack_awq,

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from qtk.export.vllm import ct_args
+
 from qtk.quant.qparams import FP8_DTYPE, fake_quant_activation, static_scale
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import QuantScheme
@@ -56,7 +58,7 @@ def test_scales_and_codes_equal_compressed_tensors(scheme):
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     w = W * torch.linspace(0.5, 2, W.shape[1])  # groups of different ranges
-    args = QuantizationArgs(**{k: v for k, v in scheme.to_ct_args().items() if k not in ("observer", "observer_kwargs")})
+    args = QuantizationArgs(**{k: v for k, v in ct_args(scheme).items() if k not in ("observer", "observer_kwargs")})
     g = scheme.group_size or (w.shape[1] if scheme.strategy == "channel" else w.numel())
     wg = w.reshape(-1, g) if scheme.strategy != "tensor" else w.reshape(1, -1)
     scale, zp = calculate_qparams(wg.amin(1), wg.amax(1), args)

@@ -1,0 +1,10 @@
+"""Recipes: what to quantize and how (schema.py), which scheme each module gets (rules.py), the parameters of each
+algorithm step (params.py), and reading recipe files (load.py)."""
+
+from qtk.quant.scheme import FP8_MAX, QuantScheme
+from qtk.recipe.load import RECIPES_DIR, builtin_recipes, load_recipe
+from qtk.recipe.rules import ModuleScheme, Override, matches
+from qtk.recipe.schema import TOP_KEYS, Calibration, Recipe, Step, parse_recipe, parse_scheme
+
+__all__ = ["FP8_MAX", "QuantScheme", "RECIPES_DIR", "builtin_recipes", "load_recipe", "ModuleScheme", "Override",
+           "matches", "TOP_KEYS", "Calibration", "Recipe", "Step", "parse_recipe", "parse_scheme"]
