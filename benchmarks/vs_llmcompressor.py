@@ -11,7 +11,7 @@ Schemes, as llm-compressor spells them (benchmarks/_llmc_driver.py) and the qtk 
   w8a8-sq-gptq  SmoothQuantModifier(0.8) + GPTQModifier(scheme="W8A8")   int8 channel weights, dynamic per-token
                 int8 activations; SmoothQuant then GPTQ
 GPTQ settings are llm-compressor's defaults on both sides: block 128, dampening 0.01, act-order "static"
-(qtk: actorder + static_groups, which writes the same "weight"-ordered checkpoint). What still differs: qtk's
+(qtk: actorder static, which writes the same "weight"-ordered checkpoint). What still differs: qtk's
 GPTQ is true-sequential inside a layer (q/k/v, o, gate/up, down each see the quantized earlier sub-blocks),
 llm-compressor takes all of a layer's Hessians in one pass; qtk's SmoothQuant also smooths up -> down (and
 v -> o without GQA), llm-compressor's Llama mappings only the two norms, with 2x the weight range in s.
@@ -65,7 +65,7 @@ TORCH_PIN = "torch==2.13.0"
 GOALS = {"time_ratio": 0.5, "rss_ratio": 0.3}
 
 SCHEMES = ("w4a16-gptq", "w8a8-sq-gptq")
-GPTQ = {"block_size": 128, "damp_percent": 0.01, "actorder": True, "static_groups": True}
+GPTQ = {"block_size": 128, "damp_percent": 0.01, "actorder": "static"}
 QTK_RECIPES = {
     "w4a16-gptq": {
         "name": "bench-w4a16-gptq",

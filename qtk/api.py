@@ -106,7 +106,7 @@ def convert(
     from qtk.checks import PostChecks
     from qtk.export import ExportOptions, writer_for
     from qtk.model.source import ModelSource
-    from qtk.pipeline import run
+    from qtk.pipeline import check_group_size, run
 
     stage = on_stage or (lambda s: None)
     timings: dict[str, float] = {}
@@ -134,6 +134,7 @@ def convert(
             raise UsageError(f"output {final} already exists", "pass --overwrite to replace it, or choose another -o")
     for t, cls in writer_classes.items():
         cls.check(source, r, options)  # refuse unsupported combinations before any work
+    check_group_size(source, r)  # from the headers, before calibration data is loaded
 
     calib_info: dict = {"used": False}
     ids = None

@@ -88,6 +88,40 @@ def target_linears(source, recipe: Recipe, i: int) -> list[str]:
     return kept
 
 
+GROUP_SIZES = (256, 128, 64, 32, 16)  # what the engines' group-wise kernels are built for, largest first
+
+
+def check_group_size(source, recipe: Recipe) -> None:
+    """Every targeted Linear's in_features (from the safetensors headers, no data read) must be a multiple of the
+    recipe's group size; refused before any work, suggesting only group sizes that divide all of them."""
+    import math
+
+    w = recipe.weights
+    if w.strategy != "group":
+        return
+    sizes: dict[int, str] = {}  # in_features -> the first Linear with it
+    for i in range(source.num_layers):
+        prefix = source.layer_prefix(i)
+        for t in target_linears(source, recipe, i):
+            name = f"{prefix}{t}.weight"
+            if name not in source.weight_map:
+                continue  # the skeleton check names missing tensors
+            shape = source.shape(name)
+            if len(shape) == 2:
+                sizes.setdefault(int(shape[1]), prefix + t)
+    bad = {n: m for n, m in sizes.items() if n % w.group_size}
+    if not bad:
+        return
+    n, m = min(bad.items())
+    common = math.gcd(*sizes)
+    fits = [g for g in GROUP_SIZES if common % g == 0 and g != w.group_size][:2]
+    fix = (f"use group_size {' or '.join(map(str, fits))} (they divide every quantized Linear's input size: "
+           f"{', '.join(map(str, sorted(sizes)))})" if fits else
+           f"no group size of {', '.join(map(str, GROUP_SIZES))} divides every input size ({', '.join(map(str, sorted(sizes)))}): "
+           "use strategy: channel, or ignore the Linears that do not fit")
+    raise UsageError(f"group_size {w.group_size} does not divide in_features {n} of {m}", fix)
+
+
 def compute_dtype(source) -> torch.dtype:
     """The dtype calibration forwards run in: the model's (bf16 matmuls are several times faster than fp32 on
     CPUs, and it is what the engine runs), except float16, whose range real activations can overflow."""
@@ -138,10 +172,6 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
     for t in targets:
         if t not in dict(layer.named_modules()):
             raise UsageError(f"layer {i} has no module {t}", f"this checkpoint does not match the {arch.name} architecture table")
-        w = layer.get_submodule(t).weight
-        if recipe.weights.strategy == "group" and w.shape[1] % recipe.weights.group_size:
-            raise UsageError(f"group_size {recipe.weights.group_size} does not divide in_features {w.shape[1]} of {prefix + t}",
-                             "choose a group_size that divides every Linear's input size (e.g. 32, 64 or 128)")
 
     records: dict = {}
     steps = {s.name: s.params for s in recipe.algorithm}
@@ -283,6 +313,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
 
     resume: a qtk.resume.ResumeState; completed layers are replayed from it and each new one saved to it."""
     stats = PipelineStats()
+    check_group_size(source, recipe)
     if calib_ids is not None:
         _map_large_allocations()
     t0 = time.perf_counter()

@@ -86,8 +86,9 @@ class QuantScheme:
             parts.append("dynamic")
         return " ".join(parts)
 
-    def to_ct_args(self) -> dict:
-        """compressed-tensors QuantizationArgs keys (only those it accepts)."""
+    def to_ct_args(self, actorder: str | None = None) -> dict:
+        """compressed-tensors QuantizationArgs keys (only those it accepts). actorder: "weight" for GPTQ's static
+        activation ordering (the only one compressed-tensors 0.20 accepts), else None."""
         return {
             "num_bits": self.num_bits,
             "type": self.type,
@@ -96,7 +97,7 @@ class QuantScheme:
             "strategy": self.strategy,
             "block_structure": None,
             "dynamic": self.dynamic,
-            "actorder": None,
+            "actorder": actorder,
             "observer": None if self.dynamic else ("mse" if self.observer == "mse" else "minmax"),
             "observer_kwargs": {},
         }
@@ -238,6 +239,17 @@ class Recipe:
             or self.kv_cache is not None
             or any(STEP_PARAMS[s.name].needs_data for s in self.algorithm)
         )
+
+    @property
+    def gptq_actorder(self) -> str | None:
+        """The GPTQ step's activation ordering ("static" | "group"), None without GPTQ or ordering."""
+        s = self.step("gptq")
+        return None if s is None else s.params.actorder
+
+    @property
+    def writes_g_idx(self) -> bool:
+        """GPTQ with actorder group on group-wise weights: each Linear carries a g_idx (groups in permuted order)."""
+        return self.gptq_actorder == "group" and self.weights.strategy == "group"
 
     def summary(self) -> str:
         parts = [f"W: {self.weights.describe()}"]

@@ -78,8 +78,23 @@ def test_recipe_with_unknown_key(tmp_path, tiny_llama):
 
 def test_group_size_not_dividing(tmp_path, odd_model):
     code, out = run("convert", odd_model, "--recipe", "w4a16", "-o", tmp_path / "o")
-    _assert_usage_error(code, out, "group_size 128 does not divide in_features 96", "choose a group_size")
+    _assert_usage_error(code, out, "group_size 128 does not divide in_features 96", "use group_size 32 or 16")
     assert _no_output_left(tmp_path / "o")
+
+
+def test_group_size_checked_from_the_headers_before_calibration(tmp_path):
+    """hidden 576 (a real model's width): refused before the calibration data is even opened (the --calib file does
+    not exist, which would be the error otherwise), suggesting only sizes that divide every Linear: never 128."""
+    m = make_tiny_model(tmp_path / "m576", hidden=576, intermediate=1536, layers=1, heads=4, kv_heads=2)
+    code, out = run("convert", m, "--recipe", "w4a16-gptq", "-o", tmp_path / "o", "--calib", tmp_path / "missing.jsonl")
+    _assert_usage_error(code, out, "group_size 128 does not divide in_features 576 of model.layers.0.self_attn.q_proj",
+                        "use group_size 64 or 32")
+    assert "128 (" not in out and _no_output_left(tmp_path / "o")
+    p = tmp_path / "none.yaml"  # no group size of the list divides 100 and 200: the fix says what else to do
+    p.write_text("name: x\nweights: {num_bits: 4, strategy: group, group_size: 64}\n")
+    odd = make_tiny_model(tmp_path / "m100", hidden=100, intermediate=200, layers=1, heads=2, kv_heads=1)
+    code, out = run("convert", odd, "--recipe", p, "-o", tmp_path / "o2")
+    _assert_usage_error(code, out, "does not divide in_features 100", "strategy: channel")
 
 
 def test_existing_output(tmp_path, tiny_llama):

@@ -95,3 +95,37 @@ def test_invalid_yaml_names_the_line(tmp_path):
 def test_missing_recipe_file(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         load_recipe(str(tmp_path / "nope.yaml"))
+
+
+# ---- GPTQ activation ordering: llm-compressor's spellings ----
+
+W4G = {"num_bits": 4, "strategy": "group", "group_size": 64}
+
+
+@pytest.mark.parametrize("spelling,canonical", [("static", "static"), ("weight", "static"), ("Static", "static"),
+                                                ("group", "group"), ("dynamic", "group"), (False, None), (None, None)])
+def test_gptq_actorder_accepts_llm_compressors_spellings(spelling, canonical):
+    r = parse_recipe({"name": "x", "weights": W4G, "algorithm": [{"gptq": {"actorder": spelling}}]})
+    assert r.step("gptq").params.actorder == canonical == r.gptq_actorder
+    assert r.writes_g_idx == (canonical == "group")
+
+
+def test_gptq_actorder_defaults_to_static_as_llm_compressor_and_the_shipped_recipes():
+    assert parse_recipe({"name": "x", "weights": W4G, "algorithm": ["gptq"]}).gptq_actorder == "static"
+    for name in builtin_recipes():
+        r = load_recipe(name)
+        if r.step("gptq") is not None:
+            assert r.gptq_actorder == "static" and not r.writes_g_idx, name
+
+
+@pytest.mark.parametrize("params,problem,fix", [
+    ({"actorder": True}, "actorder: true is ambiguous", "actorder: static"),
+    ({"actorder": True, "static_groups": True}, "actorder: true is ambiguous", "actorder: group"),
+    ({"actorder": "sideways"}, "unknown ordering 'sideways'", "static (or weight)"),
+    ({"actorder": "group", "static_groups": True}, "static_groups fixes them up front", "write actorder: static"),
+])
+def test_gptq_actorder_refusals_name_the_fix(params, problem, fix):
+    with pytest.raises(UsageError) as e:
+        parse_recipe({"name": "x", "weights": W4G, "algorithm": [{"gptq": params}]}, origin="r.yaml")
+    msg = str(e.value)
+    assert problem in msg and fix in msg and msg.startswith("r.yaml: algorithm[0].gptq") and "\n" not in msg, msg

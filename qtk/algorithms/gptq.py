@@ -157,10 +157,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
 
     dtype: the model dtype (int scales are rounded to it; default W's). name: for log and error messages.
     Group qparams are taken when a group starts, from its current (already error-compensated) columns,
-    or up front from the original columns with params.static_groups. With params.actorder the columns
-    are visited by descending diag H; with dynamic groups the groups then follow that order and the
-    QTensor carries g_idx [in] (compressed-tensors actorder "group"); with static groups g_idx stays
-    None (column // group_size, actorder "weight").
+    or up front from the original columns (params.actorder "static", or params.static_groups). With
+    params.actorder the columns are visited by descending diag H; with actorder "group" the groups then
+    follow that order and the QTensor carries g_idx [in]; with "static" g_idx stays None
+    (column // group_size; compressed-tensors actorder "weight").
 
     info: damp (absolute, added to diag H), damp_percent (relative, after retries), retries,
     dead_columns, loss (1/n Σ‖(W − Q)x‖² = tr(ΔW H ΔWᵀ)/2, the layer's mean output error),
@@ -186,7 +186,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     any_dead = bool(dead.any())
 
     scale_dtype = None if scheme.is_fp8 else dtype
-    dynamic_groups = g is not None and not params.static_groups
+    dynamic_groups = g is not None and not params.static_groups and params.actorder != "static"
     if not dynamic_groups:
         # scale, zero [1] | [out, 1] | [out, n_groups] (groups over the original column order)
         Wq = W.float()
@@ -200,7 +200,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     gzeros: list[torch.Tensor | None] = []
 
     perm = None
-    if params.actorder:
+    if params.reorders:
         perm = torch.argsort(torch.where(dead, 1.0, diag), descending=True, stable=True)  # perm [in]
     dead_v = dead if perm is None else dead[perm]  # dead, in visiting order
 
@@ -330,7 +330,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
         "loss": layer_loss() if loss else None,  # loss=False: the caller splits it
         "loss_estimate": loss_estimate,
         "loss_estimate_rows": row_loss,  # [out] float64, the estimate per row of W
-        "actorder": None if not params.actorder else ("group" if dynamic_groups else "weight"),
+        "actorder": None if not params.reorders else ("group" if g_idx is not None else "weight"),
         "dequantized": Qd,
     }
     return qt, info

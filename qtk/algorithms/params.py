@@ -34,14 +34,29 @@ class RTNParams:
         pass
 
 
+# llm-compressor's / compressed-tensors' spellings of GPTQ activation ordering -> qtk's two orderings
+ACTORDER = {"static": "static", "weight": "static", "group": "group", "dynamic": "group", "false": None, "none": None}
+
+
 @register_step("gptq")
 @dataclass(frozen=True)
 class GPTQParams:
-    """GPTQ (Frantar et al., 2022): second-order error compensation per Linear."""
+    """GPTQ (Frantar et al., 2022): second-order error compensation per Linear.
+
+    actorder (activation ordering; columns visited by descending diag H, the most active inputs first):
+      static | weight  group scales fixed up front from the original columns: no g_idx, so every target and
+                       kernel (vLLM Marlin, TensorRT-LLM) serves it; compressed-tensors actorder "weight".
+                       llm-compressor's default, and qtk's.
+      group | dynamic  groups formed in the permuted order, a g_idx maps each column to its group: only the
+                       legacy gptq target stores it (compressed-tensors 0.20 rejects it).
+      false | null     columns in order.
+    static_groups: with actorder false, take the group scales up front from the original columns too (actorder
+      static implies it; actorder group contradicts it).
+    """
 
     block_size: int = 128
     damp_percent: float = 0.01
-    actorder: bool = False
+    actorder: Any = "static"  # canonical after __post_init__: "static" | "group" | None
     static_groups: bool = False
     max_damp_retries: int = 5
     # Hessians of later sub-blocks (o, gate/up, down) taken on the outputs of the already-quantized earlier
@@ -58,6 +73,45 @@ class GPTQParams:
             raise UsageError(f"{where}.damp_percent: must be in (0, 1), got {self.damp_percent}", "use e.g. 0.01")
         if self.max_damp_retries < 0:
             raise UsageError(f"{where}.max_damp_retries: must be >= 0", "use e.g. 5")
+
+    def __post_init__(self):  # the Python API gets the same spellings and refusals as a recipe
+        object.__setattr__(self, "actorder", gptq_actorder(self.actorder, self.static_groups, "gptq"))
+
+    @staticmethod
+    def prepare(raw: dict, where: str) -> dict:
+        """A recipe's gptq mapping with actorder in its canonical spelling (errors name the recipe key)."""
+        if "actorder" in raw:
+            raw = {**raw, "actorder": gptq_actorder(raw["actorder"], bool(raw.get("static_groups", False)), where)}
+        return raw
+
+    @property
+    def reorders(self) -> bool:
+        """Columns are visited by descending diag H."""
+        return self.actorder is not None
+
+    @property
+    def group_order(self) -> bool:
+        """Groups follow the permuted column order (a g_idx when the weights are group-wise)."""
+        return self.actorder == "group"
+
+
+def gptq_actorder(value, static_groups: bool, where: str) -> str | None:
+    """llm-compressor's spellings of actorder -> "static" | "group" | None; refuses what is ambiguous or contradictory."""
+    if value is True:
+        # compressed-tensors 0.20 rejects actorder=True too: it used to mean "group", whose g_idx few targets can
+        # hold, and qtk's old `actorder: true, static_groups: true` meant "static"; the name says which one
+        raise UsageError(f"{where}.actorder: true is ambiguous (it meant 'group', or 'static' with static_groups)",
+                         "write actorder: static (no g_idx, every target) or actorder: group (g_idx, --target gptq only)")
+    if value is False or value is None:
+        a = None
+    elif isinstance(value, str) and value.lower() in ACTORDER:
+        a = ACTORDER[value.lower()]
+    else:
+        raise UsageError(f"{where}.actorder: unknown ordering {value!r}", "use static (or weight), group (or dynamic), or false")
+    if a == "group" and static_groups:
+        raise UsageError(f"{where}: actorder group forms the groups in permuted order, static_groups fixes them up front",
+                         "write actorder: static (permuted columns, static groups) and drop static_groups")
+    return a
 
 
 @register_step("awq")
@@ -111,12 +165,17 @@ def parse_step_params(name: str, raw: Any, where: str):
             hint = f"did you mean '{close[0]}'?" if close else (f"valid keys: {', '.join(valid)}" if valid else f"{name} takes no parameters")
             raise UsageError(f"{where}: unknown key {k!r}", hint)
         default = valid[k].default
+        if valid[k].type == "Any":  # several spellings: the class's prepare() checks them
+            kwargs[k] = v
+            continue
         want = type(default) if default is not MISSING else type(v)
         if want is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
         if not isinstance(v, want) or (want is int and isinstance(v, bool)):
             raise UsageError(f"{where}.{k}: expected {want.__name__}, got {v!r}", f"set {k} to a {want.__name__}")
         kwargs[k] = v
+    if hasattr(cls, "prepare"):
+        kwargs = cls.prepare(kwargs, where)
     params = cls(**kwargs)
     params.validate(where)
     return params

@@ -47,10 +47,9 @@ class AWQWriter(LegacyWriter):
         if w.num_bits != BITS or w.strategy != "group":
             raise UsageError(f"the awq target is int4 group-wise only, not {w.describe()}",
                              "use weights {num_bits: 4, strategy: group, group_size: 128}, or --target gptq / vllm")
-        gptq = recipe.step("gptq")
-        if gptq is not None and gptq.params.actorder and not gptq.params.static_groups:
-            raise UsageError("the awq layout has no g_idx, so it cannot hold GPTQ act-order groups",
-                             "set gptq static_groups: true (or actorder: false), or use --target gptq / vllm")
+        if recipe.writes_g_idx:
+            raise UsageError("the awq layout has no g_idx, so it cannot hold GPTQ actorder group",
+                             "set gptq actorder: static (no g_idx), or use --target gptq")
         notes = common_notes(cls.target, source, recipe)
         if w.symmetric:
             notes.append("AWQ kernels always subtract a zero point: the symmetric scheme is written with zero point 8 "

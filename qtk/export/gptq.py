@@ -227,7 +227,7 @@ class GPTQWriter(LegacyWriter):
             # ones (true), or every Hessian from one forward of the unquantized layer (false, the default)
             "true_sequential": bool(step is not None and params.true_sequential),
             "damp_percent": params.damp_percent,
-            "static_groups": params.static_groups,
+            "static_groups": bool(step is not None and (params.static_groups or params.actorder == "static")),
             "checkpoint_format": "gptq" if self.v1 else "gptq_v2",
             "lm_head": False,
             "pack_dtype": "int32",

@@ -36,11 +36,13 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
     if w.is_fp8 and w.strategy == "tensor" and a is not None and not a.dynamic:
         algo, group = "FP8", None
     elif (not w.is_fp8 and a is None and w.num_bits == 4 and w.strategy == "group" and w.symmetric
-          and w.group_size in AWQ_GROUP_SIZES and not getattr(getattr(recipe.step("gptq"), "params", None), "actorder", False)):
+          and w.group_size in AWQ_GROUP_SIZES):
+        if recipe.writes_g_idx:
+            raise UsageError(f"{where}: ModelOpt's W4A16_AWQ has no g_idx for GPTQ actorder group", "set gptq actorder: static (no g_idx)")
         algo, group = "W4A16_AWQ", w.group_size
     else:
         raise UsageError(f"{where}: qtk writes hf-modelopt checkpoints for FP8 (per-tensor weights, static activations) and "
-                         f"W4A16_AWQ (symmetric int4, group 64 or 128, no act-order), not {recipe.summary()}",
+                         f"W4A16_AWQ (symmetric int4, group 64 or 128), not {recipe.summary()}",
                          "use --target trtllm or --target vllm")
     kv = recipe.kv_cache
     if kv is not None and not kv.is_fp8:

@@ -108,9 +108,9 @@ def trtllm_quant(recipe) -> TRTQuant:
             if w.group_size not in AWQ_GROUP_SIZES:
                 raise UsageError(f"{where}: TensorRT-LLM's group-wise int4 kernels take group_size 64 or 128, not {w.group_size}",
                                  "set weights.group_size: 128")
-            gptq = recipe.step("gptq")
-            if gptq is not None and getattr(gptq.params, "actorder", False):
-                raise UsageError(f"{where}: TensorRT-LLM's group-wise int4 kernels have no act-order (g_idx)", "set gptq actorder: false")
+            if recipe.writes_g_idx:
+                raise UsageError(f"{where}: TensorRT-LLM's group-wise int4 kernels have no g_idx for GPTQ actorder group",
+                                 "set gptq actorder: static (no g_idx)")
             algo = "W4A16_AWQ"
             if "awq" not in steps:
                 notes.append(f"TensorRT-LLM: wrote the {'/'.join(steps)} int4 group-{w.group_size} weights as W4A16_AWQ (identity "
@@ -122,11 +122,25 @@ def trtllm_quant(recipe) -> TRTQuant:
         raise UsageError(f"{where}: TensorRT-LLM has no int{w.num_bits} weight mode", "use 4- or 8-bit weights")
     if algo in PLAIN_ALGOS:
         notes.append(f"TensorRT-LLM: {algo} checkpoints hold plain weights (the dequantized qtk weights) and trtllm-build "
-                     "re-quantizes them per channel (amax scale)" + (
-                         "; GPTQ's rounding survives only in rows whose largest |q| is the maximum" if "gptq" in steps else ""))
+                     f"re-quantizes them per channel (scale amax/{2 ** (w.num_bits - 1)})" + (
+                         f"; GPTQ's rounding survives exactly only in rows that use the code {-(2 ** (w.num_bits - 1))}, "
+                         "where that scale equals qtk's" if "gptq" in steps else ""))
     kv = recipe.kv_cache
     kv_algo = None if kv is None else ("FP8" if kv.is_fp8 else "INT8")
     return TRTQuant(algo, kv_algo, w.group_size if algo == "W4A16_AWQ" else None, tuple(notes))
+
+
+def trtllm_build_weight_only(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> QTensor:
+    """What trtllm-build does to the plain weights of a W8A16 / W4A16 checkpoint (TensorRT-LLM's
+    symmetric_quantize, cutlass_preprocessors.cpp): per output row, scale = amax / 2^(b-1) (amax/128, amax/8), kept in
+    float32 to quantize, q = round-half-away-from-zero(w / scale) clamped to [-2^(b-1), 2^(b-1)-1], and the scale
+    stored in the model dtype for the kernel, which computes q * scale. Not qtk's grid (amax/127.5, amax/7.5): the
+    build re-quantizes whatever it is given, so this is the only faithful simulation of what the engine runs."""
+    wf = w.float()  # [out, in]
+    scale = wf.abs().amax(1, keepdim=True) / (1 << (scheme.num_bits - 1))  # [out, 1], float32
+    x = torch.where(scale > 0, wf / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(wf))
+    q = (x.sign() * (x.abs() + 0.5).floor()).clamp(scheme.qmin, scheme.qmax).to(torch.int8)
+    return QTensor(q, scale.to(dtype).float(), scheme, None, None, dtype)
 
 
 # ---------------------------------------------------------------- int4 packing
@@ -743,8 +757,8 @@ class TRTLLMCheckpoint(Checkpoint):
         layer, trt, ci = self._trt_of(module)
         t = self._module(layer, trt)[ci]
         algo, s = self.quant_algo, self.weights_scheme
-        if algo in PLAIN_ALGOS:  # what trtllm-build does to plain weights: symmetric per-channel amax scale
-            return QTensor.quantize(t["weight"].to(self.dtype), s, self.dtype)
+        if algo in PLAIN_ALGOS:  # plain weights: what trtllm-build's own quantization makes of them
+            return trtllm_build_weight_only(t["weight"].to(self.dtype), s, self.dtype)
         for k in ("prequant_scaling_factor", "smoother"):
             if k in t and not bool((t[k] == 1).all()):
                 raise UsageError(f"{module}: {k} is not all ones (smoothing kept outside the weights)",

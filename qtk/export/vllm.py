@@ -66,6 +66,10 @@ class VLLMWriter(Writer):
 
     @classmethod
     def check(cls, source, recipe, options):
+        if recipe.writes_g_idx:  # compressed-tensors 0.20 rejects actorder "group" (and weight_g_idx) outright
+            raise UsageError(f"recipe {recipe.name}: GPTQ actorder group needs a g_idx, which compressed-tensors "
+                             "(and so --target vllm) no longer accepts",
+                             "set gptq actorder: static (same ordering, static groups, no g_idx), or use --target gptq")
         notes = []
         if options.tp != 1 or options.pp != 1:
             notes.append(f"--tp {options.tp} --pp {options.pp} applies to the trtllm target; vLLM shards at load time "
@@ -117,7 +121,9 @@ class VLLMWriter(Writer):
 
     def quantization_config(self) -> dict:
         r = self.recipe
-        group = {"targets": ["Linear"], "weights": r.weights.to_ct_args(),
+        # GPTQ's static act-order changes only how the values were chosen: "weight" records it, nothing to decode
+        actorder = "weight" if r.gptq_actorder is not None else None
+        group = {"targets": ["Linear"], "weights": r.weights.to_ct_args(actorder),
                  "input_activations": r.activations.to_ct_args() if r.activations else None,
                  "output_activations": None, "format": self.format}
         return {
@@ -191,7 +197,9 @@ class CompressedTensorsCheckpoint(Checkpoint):
                 zero = unpack_ct_zero_point(self.tensor(f"{module}.weight_zero_point"), s.num_bits, out_f).float()
         else:
             values = self.tensor(f"{module}.weight")
-        return QTensor(values, scale, s, zero, None, self.dtype)
+        # older compressed-tensors checkpoints (actorder "group") carry a g_idx; decoding without it would be wrong
+        g_idx = self.tensor(f"{module}.weight_g_idx").to(torch.int32) if self.has(f"{module}.weight_g_idx") else None
+        return QTensor(values, scale, s, zero, g_idx, self.dtype)
 
     def input_scale(self, module: str) -> torch.Tensor | None:
         n = f"{module}.input_scale"
@@ -204,8 +212,8 @@ class CompressedTensorsCheckpoint(Checkpoint):
         return float(self.tensor(f"{base}.k_scale").reshape(-1)[0]), float(self.tensor(f"{base}.v_scale").reshape(-1)[0])
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        quant_suffixes = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_zero_point", ".input_scale",
-                          ".k_scale", ".v_scale")
+        quant_suffixes = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_zero_point", ".weight_g_idx",
+                          ".input_scale", ".k_scale", ".v_scale")
         qmods = set(self.modules())
         out = {}
         for n in self.tensor_names():

@@ -1,11 +1,22 @@
 """Observers and quantizers: scales and zero points per strategy, pure functions on tensors.
 
 Conventions (shared by every writer, so one QTensor serves all targets):
-- symmetric int: scale = amax / qmax (amax/127, amax/7), q in [-qmax, qmax];
+- symmetric int: the full signed grid q in [qmin, qmax] = [-2^(b-1), 2^(b-1)-1] with
+  scale = amax / ((qmax - qmin) / 2) (amax/7.5 int4, amax/127.5 int8), as compressed-tensors'
+  calculate_qparams computes it (and llm-compressor and AutoGPTQ with it);
 - asymmetric int: scale = (max - min) / (qmax - qmin), zero = round(qmin - min/scale), q in [qmin, qmax],
   both in the signed range (compressed-tensors' convention; legacy packers shift to unsigned);
 - fp8 e4m3: scale = amax / 448, values cast to float8_e4m3fn.
 Dequantized w = (q - zero) * scale.
+
+Every target decodes exactly that for any q of the full grid (docs/grids.md): vLLM's
+compressed-tensors kernels (int8, and uint4b8/uint8b128 = q + 2^(b-1) for packed weights), the legacy GPTQ
+and AWQ kernels ((q_u - z_u) * s with z_u = 2^(b-1) when symmetric), TensorRT-LLM's int8 SmoothQuant GEMM and
+its group-wise int4 kernel (W4A16_AWQ, signed int4 times the scale). ModelOpt exports amax/7 (amax/127) scales,
+which leave the code -2^(b-1) unused; that is its choice of scale, not a constraint of the kernels that read it.
+The one place another grid is simulated is trtllm-build's own weight-only quantization of plain W8A16/W4A16
+weights (qtk.export.trtllm). Activations keep the engines' run-time conventions (amax/127 per token, static
+amax/127 or amax/448), and so does the INT8 KV cache (amax/127).
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ def _scale_zero(xmin: torch.Tensor, xmax: torch.Tensor, scheme: QuantScheme, sca
         scale = torch.maximum(xmax, -xmin) / FP8_MAX
         zero = None
     elif scheme.symmetric:
-        scale = torch.maximum(xmax, -xmin) / scheme.qmax
+        scale = torch.maximum(xmax, -xmin) / ((scheme.qmax - scheme.qmin) / 2)  # full grid: amax/7.5, amax/127.5
         zero = None
     else:
         scale = (xmax - xmin) / (scheme.qmax - scheme.qmin)

@@ -90,14 +90,15 @@ def test_awq_candidate_scales_follow_the_paper_grid(name, duo_scaling):
 
 
 def test_awq_keeps_identity_when_nothing_beats_it():
-    """Weights exactly on the int4 grid (power-of-two scales) quantize losslessly with s = 1."""
+    """Weights exactly on the asymmetric int4 grid (power-of-two scales) quantize losslessly with s = 1. (A symmetric
+    full grid, amax/7.5, cannot be hit exactly: the largest magnitude always sits half a step from a code.)"""
     g = torch.Generator().manual_seed(0)
-    q = torch.randint(-7, 8, (16, IN), generator=g).float()
-    q[:, ::32] = 7  # every group reaches qmax, so scale = 7·2^-6 / 7 = 2^-6 exactly
-    W = q * 2.0**-6
+    q = torch.randint(0, 16, (16, IN), generator=g).float()
+    q[:, ::32], q[:, 1::32] = 0, 15  # every group spans all 16 codes, so scale = 15·2^-6 / 15 = 2^-6 exactly
+    W = (q - 5) * 2.0**-6  # zero point 5 (unsigned): 0 lies inside every group's range
     x = torch.randn(TOKENS, IN, generator=g)
     x[:, 5] *= 20
-    s, info = awq_search_scales(x, [W], SCHEMES["int4-g32-sym"], AWQParams())
+    s, info = awq_search_scales(x, [W], SCHEMES["int4-g32-asym"], AWQParams())
     assert info["ratio"] is None and info["loss"] == 0.0 and torch.equal(s, torch.ones(IN))
     assert all(loss > 0 for loss in info["losses"])
 

@@ -74,7 +74,7 @@ def test_accumulate_hessian_rejects_mismatched_inputs():
 
 # ---- GPTQ beats RTN ----
 
-@pytest.mark.parametrize("actorder", [False, True], ids=["ordered", "actorder"])
+@pytest.mark.parametrize("actorder", [False, "static", "group"])
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_gptq_reconstruction_error_below_rtn(name, actorder):
     scheme = SCHEMES[name]
@@ -130,12 +130,12 @@ def test_gptq_with_diagonal_hessian_is_rtn(name):
         assert torch.equal(info["dequantized"], rtn.dequantize())
 
 
-@pytest.mark.parametrize("static_groups", [False, True])
-def test_gptq_actorder_identity_hessian_is_rtn(static_groups):
+@pytest.mark.parametrize("actorder", ["group", "static"])
+def test_gptq_actorder_identity_hessian_is_rtn(actorder):
     """With H = I every diag entry ties, the stable act-order is the identity, so groups are RTN's."""
     scheme = SCHEMES["int4-g32-asym"]
     W, _ = correlated_layer(seed=3)
-    qt, _ = gptq_quantize(W, torch.eye(IN), scheme, GPTQParams(actorder=True, static_groups=static_groups))
+    qt, _ = gptq_quantize(W, torch.eye(IN), scheme, GPTQParams(actorder=actorder))
     rtn = rtn_quantize(W, scheme)
     assert torch.equal(qt.values, rtn.values) and torch.equal(qt.scale, rtn.scale)
     assert torch.equal(qt.dequantize(), rtn.dequantize())
@@ -144,7 +144,7 @@ def test_gptq_actorder_identity_hessian_is_rtn(static_groups):
 def test_gptq_dead_columns_are_zeroed():
     W, X = correlated_layer(seed=4)
     X[:, [5, 100]] = 0  # inputs that never fire
-    qt, info = gptq_quantize(W, hessian(X), SCHEMES["int4-g32-asym"], GPTQParams(actorder=True))
+    qt, info = gptq_quantize(W, hessian(X), SCHEMES["int4-g32-asym"], GPTQParams(actorder="group"))
     assert info["dead_columns"] == 2
     deq = qt.dequantize()
     assert torch.equal(deq[:, [5, 100]], torch.zeros(OUT, 2))
@@ -153,19 +153,20 @@ def test_gptq_dead_columns_are_zeroed():
 
 # ---- act-order, static groups, blocks ----
 
-@pytest.mark.parametrize("static_groups", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("actorder", ["group", "dynamic", "static", "weight"])
 @pytest.mark.parametrize("name", ["int4-g32-sym", "int4-g32-asym", "int4-g128-asym", "int4-g32-asym-mse"])
-def test_gptq_actorder_g_idx_dequantizes_to_algorithm_output(name, static_groups):
+def test_gptq_actorder_g_idx_dequantizes_to_algorithm_output(name, actorder):
+    """llm-compressor's spellings: group = dynamic (g_idx), static = weight (no g_idx)."""
     scheme = MORE_SCHEMES[name]
     gs = scheme.group_size
     W, X = correlated_layer(seed=5)
     H = hessian(X)
     # block 48 is not a multiple of 32 or 128: groups straddle block boundaries
-    qt, info = gptq_quantize(W, H, scheme, GPTQParams(block_size=48, actorder=True, static_groups=static_groups))
+    qt, info = gptq_quantize(W, H, scheme, GPTQParams(block_size=48, actorder=actorder))
     assert torch.equal(qt.dequantize(), info["dequantized"])
     assert qt.scale.shape == (OUT, IN // gs)
     perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-    if static_groups:
+    if actorder in ("static", "weight"):
         # groups over the original columns: g_idx would be column // group_size
         assert qt.g_idx is None and info["actorder"] == "weight"
     else:
@@ -183,7 +184,7 @@ def test_gptq_static_groups_use_original_weights():
     """Static groups take their qparams from the original W, before any error compensation."""
     scheme = SCHEMES["int4-g32-asym"]
     W, X = correlated_layer(seed=6)
-    qt, _ = gptq_quantize(W, hessian(X), scheme, GPTQParams(actorder=True, static_groups=True), torch.bfloat16)
+    qt, _ = gptq_quantize(W, hessian(X), scheme, GPTQParams(actorder="static"), torch.bfloat16)
     rtn = rtn_quantize(W, scheme, torch.bfloat16)
     assert torch.equal(qt.scale, rtn.scale) and torch.equal(qt.zero_point, rtn.zero_point)
     assert not torch.equal(qt.values, rtn.values)
@@ -210,7 +211,7 @@ def test_gptq_does_not_modify_inputs():
     H = hessian(X)
     W0, H0 = W.clone(), H.clone()
     X[:, 7] = 0
-    gptq_quantize(W, H, SCHEMES["int4-g32-asym"], GPTQParams(actorder=True))
+    gptq_quantize(W, H, SCHEMES["int4-g32-asym"], GPTQParams(actorder="group"))
     assert torch.equal(W, W0) and torch.equal(H, H0)
 
 
@@ -271,8 +272,8 @@ def test_gptq_user_errors():
 
 # ---- one solve for Linears sharing an input ----
 
-@pytest.mark.parametrize("actorder,static_groups", [(False, False), (True, False), (True, True)],
-                         ids=["ordered", "actorder", "actorder-static"])
+@pytest.mark.parametrize("actorder,static_groups", [(False, False), (False, True), ("group", False), ("static", False)],
+                         ids=["ordered", "ordered-static", "group", "static"])
 @pytest.mark.parametrize("name", list(MORE_SCHEMES))
 def test_shared_input_solve_equals_separate_solves(name, actorder, static_groups):
     """q/k/v (or gate/up) solved as one row-concatenated W give what three separate solves give: GPTQ rows are

@@ -24,7 +24,7 @@ def ckpts(tiny_llama, calib_file, tmp_path_factory):
         "kv_cache: {num_bits: 8, type: int}\nalgorithm: [rtn]\nignore: [lm_head]\n"
         "calibration: {dataset: default, num_samples: 8, seq_len: 64}\n")
     (root / "w2.yaml").write_text(
-        "name: w2-broken\nweights: {num_bits: 2, type: int, symmetric: true, strategy: channel}\n"
+        "name: w2-broken\nweights: {num_bits: 2, type: int, symmetric: true, strategy: tensor}\n"
         "algorithm: [rtn]\nignore: [lm_head]\n")
     w8 = api.convert(tiny_llama, root / "w8-kv8.yaml", root / "w8-kv8", targets=["vllm", "trtllm"], calib=str(calib_file),
                      num_samples=NS, seq_len=T).outputs

@@ -268,9 +268,9 @@ def test_refusals_bits_and_act_order(tiny_llama, tmp_path):
     assert code == 2 and "not int2" in output and len(output.strip().splitlines()) == 1, output
     act = tmp_path / "act.yaml"
     act.write_text("name: act\nweights: {num_bits: 4, type: int, strategy: group, group_size: 64}\n"
-                   "algorithm: [{gptq: {actorder: true}}]\n")
+                   "algorithm: [{gptq: {actorder: group}}]\n")
     code, output = cli("convert", tiny_llama, "--recipe", act, "-o", tmp_path / "o2", "--target", "awq")
-    assert code == 2 and "g_idx" in output and "static_groups" in output and len(output.strip().splitlines()) == 1, output
+    assert code == 2 and "g_idx" in output and "actorder: static" in output and len(output.strip().splitlines()) == 1, output
 
 
 # ---- writer-level: act-order g_idx, and the switch to gptq_v2 ----
@@ -390,7 +390,7 @@ def converted_act(tiny_llama, calib_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("act")
     r = root / "act.yaml"
     r.write_text("name: act\nweights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}\n"
-                 "algorithm: [{gptq: {actorder: true, true_sequential: true}}]\n")
+                 "algorithm: [{gptq: {actorder: group, true_sequential: true}}]\n")
     code, output = cli("convert", tiny_llama, "--recipe", r, "-o", root / "out", "--target", "gptq", "--no-hash",
                        "--calib", calib_file, "--num-samples", "8", "--seq-len", "64")
     assert code == 0, output

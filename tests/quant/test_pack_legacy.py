@@ -123,7 +123,7 @@ def test_gptq_actorder_layer_reads_back_like_a_loader():
     X = torch.randn(256, in_f, generator=g) * torch.linspace(0.2, 3, in_f)[torch.randperm(in_f, generator=g)]
     W = 0.05 * torch.randn(out_f, in_f, generator=g)
     scheme = QuantScheme(4, strategy="group", group_size=gs, symmetric=False)
-    qt, _ = gptq_quantize(W, accumulate_hessian(None, 0, X)[0], scheme, GPTQParams(actorder=True), torch.float16)
+    qt, _ = gptq_quantize(W, accumulate_hessian(None, 0, X)[0], scheme, GPTQParams(actorder="group"), torch.float16)
     assert qt.g_idx is not None
 
     qweight = pack_gptq_qweight(qt.values, 4)  # [in/8, out]

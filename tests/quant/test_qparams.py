@@ -33,11 +33,41 @@ def test_int_round_trip_error_is_at_most_half_a_step(scheme):
     assert (err <= step / 2 + 1e-6).all()
 
 
-def test_symmetric_scale_is_amax_over_qmax_and_no_zero_point():
+def test_symmetric_scale_uses_the_full_grid_and_no_zero_point():
+    """amax/127.5 and codes -128..127 (amax/7.5 and -8..7 at int4), as compressed-tensors computes them."""
     qt = QTensor.quantize(W, S(), torch.float32)
     assert qt.zero_point is None
-    torch.testing.assert_close(qt.scale.squeeze(1), W.abs().amax(1) / 127)
-    assert (qt.values.abs().amax(1) == 127).all()  # the largest magnitude maps to ±qmax exactly
+    torch.testing.assert_close(qt.scale.squeeze(1), W.abs().amax(1) / 127.5)
+    # the largest magnitude lands on an end of the grid: -128 when it is negative, 127 (half a step short) when positive
+    ends = torch.where(W.gather(1, W.abs().argmax(1, keepdim=True)).squeeze(1) < 0, -128, 127).to(torch.int8)
+    assert torch.equal(qt.values.gather(1, W.abs().argmax(1, keepdim=True)).squeeze(1), ends)
+    q4 = QTensor.quantize(W, S(num_bits=4, strategy="group", group_size=32), torch.float32)
+    assert int(q4.values.min()) == -8 and int(q4.values.max()) == 7
+
+
+@pytest.mark.parametrize("scheme", [
+    S(), S(strategy="tensor"), S(num_bits=4, strategy="group", group_size=32), S(num_bits=4, strategy="channel"),
+    S(num_bits=4, strategy="group", group_size=64, symmetric=False), S(symmetric=False),
+])
+def test_scales_and_codes_equal_compressed_tensors(scheme):
+    """compressed-tensors' own calculate_qparams and quantize (what llm-compressor runs) give qtk's scales and codes."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    w = W * torch.linspace(0.5, 2, W.shape[1])  # groups of different ranges
+    args = QuantizationArgs(**{k: v for k, v in scheme.to_ct_args().items() if k not in ("observer", "observer_kwargs")})
+    g = scheme.group_size or (w.shape[1] if scheme.strategy == "channel" else w.numel())
+    wg = w.reshape(-1, g) if scheme.strategy != "tensor" else w.reshape(1, -1)
+    scale, zp = calculate_qparams(wg.amin(1), wg.amax(1), args)
+    shape = (w.shape[0], -1) if scheme.strategy != "tensor" else (1,)
+    scale, zp = scale.reshape(shape), zp.reshape(shape)
+    ref = quantize(w, scale, zp, args, dtype=torch.int8)
+    qt = QTensor.quantize(w, scheme, torch.float32)
+    assert torch.equal(qt.scale.reshape(shape), scale)
+    assert torch.equal(qt.values, ref)
+    if not scheme.symmetric:
+        assert torch.equal(qt.zero_point.reshape(shape), zp.float())
 
 
 def test_int_scales_are_rounded_to_the_model_dtype_before_quantizing():

@@ -73,7 +73,7 @@ def test_non_awq_int4_and_plain_weight_only_say_what_they_wrote():
 REFUSED = [
     (dict(weights=W4(128, sym=False), algorithm=[{"awq": {}}]), "symmetric: true"),
     (dict(weights=W4(32)), "group_size: 128"),
-    (dict(weights=W4(128), algorithm=[{"gptq": {"actorder": True}}]), "actorder: false"),
+    (dict(weights=W4(128), algorithm=[{"gptq": {"actorder": "group"}}]), "actorder: static"),
     (dict(weights=W4(strategy="tensor")), "strategy: group"),
     (dict(weights=FP8C, activations=FP8_STATIC), "fp8-dynamic"),
     (dict(weights=FP8T, activations=FP8_TOKEN), "fp8-dynamic"),

@@ -175,3 +175,32 @@ def test_tied_embeddings_and_llama3_rope_survive_the_trt_config(calib_file, tmp_
         a = build_simulated_model(open_checkpoint(out["vllm"]))(ids).logits
         b = build_simulated_model(trt)(ids).logits
     assert torch.equal(a, b)
+
+
+def _build_quantize_spec(w: torch.Tensor, bits: int):
+    """trtllm-build's symmetric_quantize (cutlass_preprocessors.cpp), written here from its source: per output row
+    scale = amax / 2^(bits-1), q = C's round (half away from zero) of w / scale, clamped to the signed range."""
+    half = 1 << (bits - 1)
+    scale = w.float().abs().amax(1, keepdim=True) / half
+    x = w.float() / scale
+    q = torch.where(x >= 0, torch.floor(x + 0.5), torch.ceil(x - 0.5)).clamp(-half, half - 1)
+    return q, scale
+
+
+def test_trtllm_build_quantization_of_plain_weights_is_simulated_as_the_build_does(outputs):
+    """W8A16 / W4A16 checkpoints hold plain weights that trtllm-build quantizes with its own grid (amax/128, amax/8),
+    not qtk's (amax/127.5, amax/7.5): the reader must simulate that build, which is what the engine then runs."""
+    from qtk.export.trtllm import trtllm_build_weight_only
+    from qtk.recipe import QuantScheme
+
+    w = torch.tensor([[2.0, -1.0, 1 / 128, -3 / 128, 5 / 128, 0.0]])  # scale 1/64: 128, -64, 0.5, -1.5, 2.5, 0 steps
+    qt = trtllm_build_weight_only(w, QuantScheme(8), torch.bfloat16)
+    assert qt.values.tolist() == [[127, -64, 1, -2, 3, 0]] and qt.scale.item() == 1 / 64  # half away from zero
+    for name, bits in (("w8a16", 8), ("w4-channel", 4)):
+        d = outputs[name]["trtllm"]
+        plain, ck = trt_weights(d), open_checkpoint(d)
+        for m in ck.modules():
+            q, scale = _build_quantize_spec(plain[m], bits)
+            got = ck.qtensor(m)
+            assert torch.equal(got.values.float(), q), (name, m)
+            assert torch.equal(got.scale, scale.to(torch.bfloat16).float()), (name, m)  # stored in the model dtype
