@@ -254,6 +254,17 @@ def render_table(report: dict) -> str:
         lines.append(f"| `{name}`{' (group ' + str(e['group_size']) + ')' if e.get('group_size') else ''} | "
                      f"{f(q, 'perplexity', '{:.3f}')} | {f(lc, 'perplexity', '{:.3f}')} | {f(q, 'wall_s', '{:.0f}')} | "
                      f"{f(lc, 'wall_s', '{:.0f}')} | {f(q, 'peak_rss_mb', '{:.0f}')} | {f(lc, 'peak_rss_mb', '{:.0f}')} |")
+        mm = e.get("llmcompressor_minmax_observer", {})
+        if "perplexity" in mm:
+            lines.append(f"| `{name}`, llm-compressor with its moving-average `minmax` activation observer | | {mm['perplexity']:.3f} | | "
+                         f"{mm['wall_s']:.0f} | | {mm['peak_rss_mb']:.0f} |")
+    missing = [r for r in RECIPES if r not in report["recipes"]]
+    if missing:
+        lines += ["", "Not run in this measurement: " + ", ".join(f"`{r}`" for r in missing) + "."]
+    c = report["recipes"].get("w4a16", {}).get("codes_vs_llmcompressor")
+    if c:
+        lines += ["", f"`w4a16` (round-to-nearest) codes equal to llm-compressor's: {c['codes_equal']:.2%} of all weights "
+                      f"({c['tensors_all_codes_equal']} of {c['tensors']} tensors entirely); scales equal: {c['scales_equal']:.2%}."]
     return "\n".join(lines)
 
 
