@@ -1,4 +1,5 @@
-"""Runs llm-compressor's oneshot for benchmarks/vs_llmcompressor.py and benchmarks/real_model.py, inside llm-compressor's own venv.
+"""Runs llm-compressor's oneshot for benchmarks/vs_llmcompressor.py and benchmarks/real_model.py, inside
+llm-compressor's own venv.
 
     benchmarks/.venv-llmc/bin/python benchmarks/_llmc_driver.py --model DIR --ids ids.pt --scheme w4a16-gptq --out DIR
     benchmarks/.venv-llmc/bin/python benchmarks/_llmc_driver.py --model DIR --ids ids.pt --config recipe.json --out DIR

@@ -311,7 +311,8 @@ def main():
     torch.set_num_threads(a.threads)
     model = real_model_dir()
     cfg = json.loads((model / "config.json").read_text())
-    in_features = sorted({cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])})
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    in_features = sorted({cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"] * head_dim})
     tok = AutoTokenizer.from_pretrained(model)
     ids = calibration_ids(tok, load_texts(str(TEXT / "calib.jsonl")), a.num_samples, a.seq_len, a.seed)
     ids_file = work / "calib-ids.pt"
