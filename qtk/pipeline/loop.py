@@ -102,7 +102,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
         # measured against the source weight in the frame it was quantized in (smoothing folded, AWQ's clipping not:
         # it is part of the error), the reference `qtk inspect` rebuilds from the source and the records
         if transformed:
-            w = source.tensor(f"{prefix}{t}.weight").to(compute_dtype(source)).float()
+            w = source.tensor(f"{prefix}{t}.weight").to(ctx.device).to(compute_dtype(source)).float()
             if scales:
                 w = smoothed_weight(w, t, arch, scales)
         else:
@@ -130,7 +130,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
         k_amax=None if kv is None else kv.k.value,
         v_amax=None if kv is None else kv.v.value,
         weight_error=errors,
-        records=dict(records),
+        records={k: r for k, r in records.items() if r.to_json()},  # a step that chose nothing leaves no record
         dense_linears=tuple(prefix + m for m in (*arch.linears, *arch.dense_linears) if m not in targets),
     )
     return result, next_batches

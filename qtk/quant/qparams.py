@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from qtk.quant.formats import QParams, format_for
+from qtk.quant.formats import QParams, fake_quant_activation, format_for, static_scale  # noqa: F401 (re-exported)
 from qtk.quant.formats.fp8 import FP8_DTYPE  # noqa: F401 (re-exported)
 from qtk.quant.formats.grouped import dequantize_grouped  # noqa: F401 (re-exported)
 from qtk.quant.scheme import QuantScheme
@@ -32,13 +32,3 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
                       g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """float32 weights from q [out, in]; g_idx [in] maps each input column to its group (act-order)."""
     return format_for(scheme).dequantize(q, QParams(scale, zero), scheme, g_idx)
-
-
-def fake_quant_activation(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize-dequantize activations as the engines do at run time: per-token dynamic or static per-tensor."""
-    return format_for(scheme).fake_quant_activation(x, scheme, scale)
-
-
-def static_scale(amax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Static per-tensor scale from a calibrated absolute maximum."""
-    return format_for(scheme).static_scale(amax, scheme)

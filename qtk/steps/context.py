@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qtk.model.arch import Arch
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import ModuleScheme, Recipe
 from qtk.steps.records import StepRecord
@@ -15,10 +16,12 @@ from qtk.steps.stats import LOCAL, Reducer
 
 @dataclass
 class LayerContext:
+    """What a step works on; steps mutate the layer, master, amax, qweights and records, the loop the rest."""
+
     index: int
     prefix: str  # full-name prefix of the layer's modules, e.g. "model.layers.3."
     layer: torch.nn.Module  # materialised in the compute dtype; steps fold into it and swap QLinears in
-    arch: object  # qtk.model.arch.Arch
+    arch: Arch
     recipe: Recipe
     targets: list[str]  # the Linears (relative names) the recipe quantizes, in data-flow order
     batches: list | None  # [(hidden states, kwargs)] entering the layer; None without calibration data
