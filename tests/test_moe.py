@@ -180,8 +180,8 @@ def test_expert_without_tokens_smoothing_and_static_scales_stay_finite(starved_m
 def test_smoothquant_fold_keeps_the_float_moe_layer(moe_models, calib_file, model_type):
     """post_attention_layernorm feeds the router and every expert: one s is folded into the norm, every
     expert's gate/up columns and the router's columns, so routing and the layer output do not change."""
-    from qtk import calibrate as cal
     from qtk.recipe.params import STEP_PARAMS
+    from qtk.steps.smoothquant import apply_smoothquant
     from qtk.calib import calibration_ids, load_texts
     from qtk.pipeline import capture_layer_inputs
 
@@ -199,7 +199,7 @@ def test_smoothquant_fold_keeps_the_float_moe_layer(moe_models, calib_file, mode
         before = [layer(h, **kw) for h, kw in batches]
     targets = list(src.arch.linears)
     master = {t: layer.get_submodule(t).weight.detach().float() for t in targets}
-    rec = cal.apply_smoothquant(layer, src.arch, targets, batches, STEP_PARAMS["smoothquant"](alpha=0.8), master)
+    rec = apply_smoothquant(layer, src.arch, targets, batches, STEP_PARAMS["smoothquant"](alpha=0.8), master).scales
     assert rec["post_attention_layernorm"] is not None and rec[f"{block}.experts.1.{u}"] is not None
     s = torch.tensor(rec["post_attention_layernorm"])
     assert (s - 1).abs().max() > 0.05  # a real migration happened

@@ -77,19 +77,19 @@ def test_smoothquant_is_folded_into_the_stored_norms(tiny_llama, setup):
 
 def test_post_conversion_checks_refuse_a_broken_quantizer(tiny_llama, tmp_path, monkeypatch):
     """A quantizer bug that collapses weights is caught at the end of convert: exit 1, nothing written."""
-    from qtk import calibrate
+    import qtk.steps.rtn as rtn
     from qtk.errors import CheckFailed
     from qtk.quant.qtensor import QTensor
 
-    real = calibrate.rtn_weights
+    real = rtn.rtn_weights
 
-    def broken(weights, recipe, arch, dtype):
-        out = real(weights, recipe, arch, dtype)
+    def broken(weights, schemes, arch, dtype):
+        out = real(weights, schemes, arch, dtype)
         qt = out["mlp.down_proj"]
         out["mlp.down_proj"] = QTensor(torch.zeros_like(qt.values), qt.scale, qt.scheme, qt.zero_point, None, qt.dtype)
         return out
 
-    monkeypatch.setattr(calibrate, "rtn_weights", broken)
+    monkeypatch.setattr(rtn, "rtn_weights", broken)
     with pytest.raises(CheckFailed) as e:
         api.convert(tiny_llama, "w8a16", tmp_path / "o", hash_source=False)
     assert e.value.exit_code == 1 and "mlp.down_proj" in str(e.value) and "collapsed" in str(e.value)

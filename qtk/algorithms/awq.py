@@ -8,6 +8,7 @@ small records; qtk.algorithms.smooth folds the scales in and apply_clip applies 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable, Sequence
 
 import torch
 
@@ -17,6 +18,10 @@ from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme
 
 CLIP_BATCH_ELEMENTS = 1 << 24  # bounds the [rows, tokens, n_groups] partial outputs of the clip search
+
+# combine(losses, tokens): mean losses measured on this process's `tokens` tokens -> the mean losses over the tokens
+# of every process that searches together (one process: the losses as they are)
+Combine = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def _fake_quant(W: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> torch.Tensor:
@@ -39,10 +44,10 @@ def _group_size(scheme: QuantScheme, in_f: int) -> int:
     return g
 
 
-def _w_mean(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+def _w_mean(weights: list[torch.Tensor], schemes: Sequence[QuantScheme]) -> torch.Tensor:
     """Per input channel mean of |W| / (its group's max |W|) over all rows of all weights -> [in]."""
     rows = []
-    for W in weights:
+    for W, scheme in zip(weights, schemes):
         out_f, in_f = W.shape
         g = _group_size(scheme, in_f)
         wa = W.float().abs().reshape(out_f, in_f // g, g)  # [out, n_groups, group]
@@ -50,63 +55,70 @@ def _w_mean(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
     return torch.cat(rows, dim=0).mean(0)
 
 
-def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], scheme: QuantScheme, params: AWQParams,
-                      dtype: torch.dtype | None = None) -> tuple[torch.Tensor, dict]:
-    """Scales s [in] for the Linears `weights` (each [out_i, in]) that share the input x [tokens, in].
+def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], scheme: QuantScheme | Sequence[QuantScheme],
+                      params: AWQParams, dtype: torch.dtype | None = None,
+                      combine: Combine | None = None) -> tuple[torch.Tensor, dict]:
+    """Scales s [in] for the Linears `weights` (each [out_i, in], quantized with `scheme`, or one scheme per weight)
+    that share the input x [tokens, in].
 
     Candidates: s = 1, and for r = i/grid, i = 0..grid−1, s = x_mean^r / w_mean^(1−r) (x_mean^r without
     duo_scaling), normalised by sqrt(max s · min s). The chosen s minimises the mean squared error of
     the concatenated outputs (x/s) @ Q(W·s)ᵀ against x @ Wᵀ on up to params.n_sample_tokens evenly spaced
     tokens (x_mean uses all of them), with each W·s in its own dtype as the folded model stores it; s = 1
     is kept unless a candidate is strictly better, so the error never exceeds plain RTN's.
-    dtype: the model dtype (scales rounded to it when quantizing; default the weights' dtype).
+    dtype: the model dtype (scales rounded to it when quantizing; default the weights' dtype). combine: merges the
+    candidates' losses with those other processes measured on their tokens before the choice (see Combine).
 
     info: ratio (chosen r, None when s = 1 won), loss, loss_identity (the error with s = 1), losses (per r).
     """
     if not weights:
         raise ValueError("awq_search_scales: no weights given")
     dtype = dtype or weights[0].dtype
+    schemes = [scheme] * len(weights) if isinstance(scheme, QuantScheme) else list(scheme)
     in_f = x.shape[-1]
     for W in weights:
         if W.shape[1] != in_f:
             raise ValueError(f"awq_search_scales: a weight has {W.shape[1]} input features, x has {in_f}")
     x = x.reshape(-1, in_f).float()  # x [tokens, in]
     x_mean = x.abs().mean(0)  # [in]
-    w_mean = _w_mean(weights, scheme).to(x.device)  # [in]
+    w_mean = _w_mean(weights, schemes).to(x.device)  # [in]
     xs = _tokens(x, params.n_sample_tokens)  # [n, in]
     ref = xs @ torch.cat([W.float() for W in weights], dim=0).t()  # [n, sum out]
 
     def loss(s: torch.Tensor) -> float:
-        Q = torch.cat([_fake_quant(scale_linear_columns(W, s), scheme, dtype) for W in weights], dim=0)
+        Q = torch.cat([_fake_quant(scale_linear_columns(W, s), sc, dtype) for W, sc in zip(weights, schemes)], dim=0)
         return (((xs / s) @ Q.t()) - ref).pow(2).mean().item()
 
-    ones = torch.ones(in_f, device=x.device)
-    best_s, best_loss, best_ratio = ones, loss(ones), None
-    info = {"loss_identity": best_loss, "losses": []}
+    # candidates: s = 1 first, then one per grid ratio r
+    candidates: list[tuple[float | None, torch.Tensor]] = [(None, torch.ones(in_f, device=x.device))]
     for i in range(params.grid):
         r = i / params.grid
         if params.duo_scaling:
             s = (x_mean.pow(r) / (w_mean.pow(1 - r) + 1e-4)).clamp(min=1e-4)
         else:
             s = x_mean.pow(r).clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        cur = loss(s)
-        info["losses"].append(cur)
-        if cur < best_loss:
-            best_s, best_loss, best_ratio = s, cur, r
-    info.update(ratio=best_ratio, loss=best_loss)
-    return best_s, info
+        candidates.append((r, s / (s.max() * s.min()).sqrt()))
+    losses = [loss(s) for _, s in candidates]
+    if combine is not None:
+        losses = combine(torch.tensor(losses, dtype=torch.float64), xs.shape[0]).tolist()
+    best = 0  # s = 1 is kept unless a candidate is strictly better
+    for k in range(1, len(candidates)):
+        if losses[k] < losses[best]:
+            best = k
+    info = {"loss_identity": losses[0], "losses": losses[1:], "ratio": candidates[best][0], "loss": losses[best]}
+    return candidates[best][1], info
 
 
 def awq_search_clip(x: torch.Tensor, W: torch.Tensor, scheme: QuantScheme, params: AWQParams,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
+                    dtype: torch.dtype | None = None, combine: Combine | None = None) -> torch.Tensor:
     """Per output row and input group, the clip value max_val [out, n_groups] for W [out, in].
 
     Call it on the already scaled W and the scaled input x/s [tokens, in]. For each group the range
     max|w| is shrunk by up to params.max_shrink in params.clip_grid steps, keeping the shrink that
     minimises the mean squared error of that group's share of the output (unshrunk unless strictly better).
     The quantizer in the search is min-max (the clip search is itself the range search); tensor-wise
-    schemes are searched per row. channel/tensor schemes give n_groups = 1.
+    schemes are searched per row. channel/tensor schemes give n_groups = 1. combine: as in awq_search_scales, applied
+    to each shrink step's errors [rows, n_groups].
     """
     dtype = dtype or W.dtype
     out_f, in_f = W.shape
@@ -132,6 +144,8 @@ def awq_search_clip(x: torch.Tensor, W: torch.Tensor, scheme: QuantScheme, param
             cur = torch.maximum(torch.minimum(wg, mv.unsqueeze(-1)), -mv.unsqueeze(-1))
             q = _fake_quant(cur.reshape(-1, in_f), search_scheme, dtype).reshape(-1, n_groups, g)
             err = (torch.einsum("tng,cng->ctn", xg, q) - org_out).pow(2).mean(dim=1)  # [co, n_groups]
+            if combine is not None:
+                err = combine(err, n_tok)
             better = err < min_err
             min_err = torch.where(better, err, min_err)
             best = torch.where(better, mv, best)

@@ -17,7 +17,7 @@ import torch
 
 from qtk.recipe.params import GPTQParams
 from qtk.errors import QtkError, UsageError
-from qtk.quant.qparams import dequantize_grouped, quantize_grouped, weight_qparams
+from qtk.quant.formats import QParams, format_for
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme
 
@@ -185,15 +185,17 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     dead = diag == 0  # inputs that were always zero: their weights do not matter (H_jj := 1, W[:, j] := 0)
     any_dead = bool(dead.any())
 
-    scale_dtype = None if scheme.is_fp8 else dtype
+    fmt = format_for(scheme)  # the number format decides qparams, rounding and storage; the loop is the same for all
     dynamic_groups = g is not None and not params.static_groups and params.actorder != "static"
+    qp = None  # the whole weight's qparams, when fixed up front (with any extras of its format)
     if not dynamic_groups:
         # scale, zero [1] | [out, 1] | [out, n_groups] (groups over the original column order)
         Wq = W.float()
         if any_dead:
             Wq = Wq.clone()
             Wq[:, dead] = 0
-        scale, zero = weight_qparams(Wq, scheme, scale_dtype)
+        qp = fmt.qparams(Wq, scheme, dtype)
+        scale, zero = qp.scale, qp.zero_point
         del Wq
     col_scheme = replace(scheme, strategy="channel", group_size=None)
     gscales: list[torch.Tensor] = []
@@ -233,11 +235,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
         grp = cols // g  # [count], the original group of each visited column
         return scale[:, grp].t().contiguous(), None if zero is None else zero[:, grp].t().contiguous()
 
-    Qt = torch.empty(in_f, out_f, dtype=torch.float8_e4m3fn if scheme.is_fp8 else torch.int8, device=Wt.device)  # [in, out]
+    Qt = torch.empty(in_f, out_f, dtype=fmt.storage_dtype(scheme), device=Wt.device)  # [in, out]
     Qdt = torch.empty_like(Wt) if dequantized else None  # dequantized [in, out], as the loop computed it
     row_loss = torch.zeros(out_f, dtype=torch.float64, device=Wt.device)  # Σ_j (w − q)²/[Hinv]²_jj / 2 per row of W
     bs = params.block_size
-    fp8, qmin, qmax = scheme.is_fp8, scheme.qmin, scheme.qmax
+    quantize_column = fmt.column_quantizer(scheme, qp)  # (w [out], s, z) -> (q, dequantized q)
     for i1 in range(0, in_f, bs):
         i2 = min(i1 + bs, in_f)
         count = i2 - i1
@@ -248,7 +250,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
         d1 = Hinv1.diagonal().tolist()
         if dynamic_groups:
             S1 = torch.empty_like(W1)  # [count, out]
-            Z1 = None if scheme.symmetric or scheme.is_fp8 else torch.empty_like(W1)
+            Z1 = torch.empty_like(W1) if fmt.has_zero_point(scheme) else None
             if i1 % g:  # the group that started in an earlier block goes on here
                 S1[:] = gscales[-1].reshape(1, -1)
                 if Z1 is not None:
@@ -268,7 +270,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
                         # updates still pending from this block (Err1 is zero from row i on)
                         rest = Wt[i2:j + g] - Hinv[i1:i2, i2:j + g].t() @ Err1
                         cols = torch.cat([cols, rest], dim=0)
-                    sc, zc = weight_qparams(cols.t(), col_scheme, scale_dtype)  # [out, 1]
+                    gq = fmt.qparams(cols.t(), col_scheme, dtype)  # [out, 1]
+                    sc, zc = gq.scale, gq.zero_point
                     gscales.append(sc)
                     gzeros.append(zc)
                     S1[i:i + g] = sc.reshape(1, -1)
@@ -278,15 +281,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
                 z = None if Z1 is None else (Z1[i] if per_col else Z1[0])
                 w = W1[i]  # w [out]
                 err1 = Err1[i]
-                if fp8:
-                    q = quantize_grouped(w, s, z, scheme)
-                    dq = dequantize_grouped(q, s, z)
-                else:  # quantize_grouped / dequantize_grouped inlined, the same float ops, fewer calls
-                    q = torch.div(w, s).round_()
-                    if z is not None:
-                        q.add_(z)
-                    q.clamp_(qmin, qmax)
-                    dq = (q if z is None else q - z).mul(s)
+                q, dq = quantize_column(w, s, z)
                 torch.sub(w, dq, out=err1).div_(d1[i])  # [out]
                 Q1[i] = q
                 if i + 1 < j2:  # column i itself is done: only later columns need the update
@@ -295,7 +290,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
                 W1[j2:].addmm_(Hinv1[j1:j2, j2:].t(), Err1[j1:j2], alpha=-1)
 
         if Qdt is not None:
-            Qdt[i1:i2] = dequantize_grouped(Q1, S1, Z1)  # elementwise, as each column's dq above
+            Qdt[i1:i2] = fmt.dequantize_columns(Q1, S1, Z1, qp)  # elementwise, as each column's dq above
         row_loss += Err1.square().sum(0, dtype=torch.float64) / 2
         if i2 < in_f:
             Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of the remaining columns
@@ -316,7 +311,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
             g_idx = (torch.arange(in_f, device=Qv.device) // g)[invperm].to(torch.int32)
     Qv, Qd = Qv.contiguous(), None if Qd is None else Qd.contiguous()
 
-    qt = QTensor(Qv, scale.float(), scheme, None if zero is None else zero.float(), g_idx, dtype)
+    extra = {} if qp is None else qp.extra
+    qt = QTensor.of(Qv, QParams(scale.float(), None if zero is None else zero.float(), extra), scheme, dtype, g_idx)
 
     def layer_loss() -> float:
         dW = W0.float() - (qt.dequantize() if Qd is None else Qd)  # dW [out, in]
@@ -359,7 +355,7 @@ def gptq_quantize_shared(Ws: list[torch.Tensor], H: torch.Tensor, scheme: QuantS
         per_row = qt.scale.shape[0] > 1  # [out, *] scales split with the rows; a per-tensor [1] scale is shared
         part = QTensor(qt.values[rows], qt.scale[rows] if per_row else qt.scale, scheme,
                        None if qt.zero_point is None else (qt.zero_point[rows] if per_row else qt.zero_point),
-                       qt.g_idx, qt.dtype)
+                       qt.g_idx, qt.dtype, qt.extra)
         Qd = part.dequantize()  # what the algorithm chose for these rows (gptq_quantize: equals its "dequantized")
         dW = w.float() - Qd  # dW [out_i, in]
         dW[:, dead] = 0  # inputs that were always zero add nothing to the output error

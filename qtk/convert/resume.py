@@ -121,7 +121,7 @@ class ResumeState:
         i = result.index
         tmp, final = self.dir / f".tmp-{_layer_name(i)}", self.dir / _layer_name(i)
         tensors, record = {}, {"qweights": {}, "input_amax": result.input_amax, "k_amax": result.k_amax,
-                               "v_amax": result.v_amax, "weight_error": result.weight_error, "records": result.records,
+                               "v_amax": result.v_amax, "weight_error": result.weight_error, "records": result.records_json(),
                                "dense_linears": list(result.dense_linears),
                                "dense": list(result.dense)}
         for m, qt in result.qweights.items():

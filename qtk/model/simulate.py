@@ -152,19 +152,6 @@ def set_kv_hook(attn_module: torch.nn.Module, hook: Callable | None) -> None:
     attn_module._qtk_kv_hook = hook
 
 
-class KVAmax:
-    """Running absolute maxima of K (after RoPE) and V for one attention module."""
-
-    def __init__(self):
-        self.k = 0.0
-        self.v = 0.0
-
-    def __call__(self, key, value):
-        self.k = max(self.k, float(key.detach().abs().amax()))
-        self.v = max(self.v, float(value.detach().abs().amax()))
-        return key, value
-
-
 def kv_fake_quant(kind: str, k_scale: float, v_scale: float) -> Callable:
     """What the engine's cache stores and reads back: fp8(x / scale) * scale (vLLM FP8), or
     round(x / scale) clamped to int8, times scale (TensorRT-LLM INT8)."""

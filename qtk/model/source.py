@@ -335,9 +335,11 @@ class ModelSource:
                              f"{self.config_dict.get('model_type')} model config.json describes ({shown})",
                              "check that config.json belongs to these weights, or remove the stray tensors")
 
-    def load_module(self, module: torch.nn.Module, prefix: str, dtype=torch.float32, check_finite: bool = False) -> torch.nn.Module:
-        """Materialise a (meta) module from the source tensors under `prefix`, in `dtype`. Returns a new module.
-        check_finite refuses NaN/Inf, naming the tensor (a NaN weight can hide behind a finite scale)."""
+    def load_module(self, module: torch.nn.Module, prefix: str, dtype=torch.float32, check_finite: bool = False,
+                    device=None) -> torch.nn.Module:
+        """Materialise a (meta) module from the source tensors under `prefix`, in `dtype`, its tensors on `device`
+        (default: the CPU). Returns a new module. check_finite refuses NaN/Inf, naming the tensor (a NaN weight can
+        hide behind a finite scale)."""
         mod = copy.deepcopy(module)
         expected = {k: v for k, v in mod.state_dict().items() if v.is_meta}  # parameters (buffers are real)
         sd = {}
@@ -346,17 +348,20 @@ class ModelSource:
             if tuple(t.shape) != tuple(meta.shape):
                 raise UsageError(f"tensor {prefix + k} has shape {list(t.shape)} but config.json implies {list(meta.shape)}",
                                  "the weights do not belong to this config.json")
-            t = t.to(dtype)
+            t = t.to(dtype) if device is None else t.to(device=device, dtype=dtype)
             # a sum is non-finite whenever a NaN/Inf is present; the exact scan runs only then (~30x cheaper)
             if check_finite and t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                 raise UsageError(f"tensor {prefix + k} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
             sd[k] = t
         mod.load_state_dict(sd, strict=False, assign=True)
+        if device is not None:
+            mod.to(device)  # the buffers the skeleton computed (rotary tables) follow the parameters
         return mod.eval()
 
-    def layer(self, skeleton, i: int, dtype=torch.float32) -> torch.nn.Module:
+    def layer(self, skeleton, i: int, dtype=torch.float32, device=None) -> torch.nn.Module:
+        """Decoder layer i materialised from disk in `dtype` on `device` (default: the CPU), NaN/Inf refused."""
         layers = skeleton.get_submodule(self.arch.layers)
-        return self.load_module(layers[i], self.layer_prefix(i), dtype, check_finite=True)
+        return self.load_module(layers[i], self.layer_prefix(i), dtype, check_finite=True, device=device)
 
 
 def _one_line(e: BaseException) -> str:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 import torch
 
-from qtk.quant.qparams import dequantize_weight, quantize_weight, weight_qparams
+from qtk.quant.formats import Format, QParams, format_for
 from qtk.quant.scheme import QuantScheme
 
 
@@ -14,11 +15,13 @@ from qtk.quant.scheme import QuantScheme
 class QTensor:
     """Unpacked quantized values of a [out, in] weight and everything needed to dequantize them.
 
-    values: int8 (signed range, also for int4/int2 and asymmetric) or float8_e4m3fn, shape [out, in]
+    values: the format's storage dtype (int8 in the signed range, also for int4/int2 and asymmetric;
+            float8_e4m3fn), shape [out, in]
     scale: float32, [1] (tensor), [out, 1] (channel) or [out, in/group] (group)
     zero_point: float32 integers in the signed range, same shape as scale; None when symmetric
     g_idx: int32 [in], group of each input column (GPTQ act-order); None = column // group_size
     dtype: the source dtype (what dense tensors and int scales are stored in)
+    extra: tensors a format needs beyond scale and zero point (e.g. a global scale), named by its spec
     """
 
     values: torch.Tensor
@@ -27,18 +30,43 @@ class QTensor:
     zero_point: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None
     dtype: torch.dtype = torch.bfloat16
+    extra: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.values.shape)
 
+    @property
+    def format(self) -> Format:
+        return format_for(self.scheme)
+
+    @property
+    def qparams(self) -> QParams:
+        return QParams(self.scale, self.zero_point, self.extra)
+
     def dequantize(self) -> torch.Tensor:
-        return dequantize_weight(self.values, self.scale, self.zero_point, self.scheme, self.g_idx)
+        return self.format.dequantize(self.values, self.qparams, self.scheme, self.g_idx)
+
+    def to(self, device) -> "QTensor":
+        """The same QTensor with every tensor on `device` (the same object when they already are)."""
+        device = torch.device(device)
+        if self.values.device == device:
+            return self
+        move = (lambda t: None if t is None else t.to(device))
+        return replace(self, values=self.values.to(device), scale=self.scale.to(device), zero_point=move(self.zero_point),
+                       g_idx=move(self.g_idx), extra={k: v.to(device) for k, v in self.extra.items()})
 
     @classmethod
     def quantize(cls, w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype | None = None) -> "QTensor":
         """Round-to-nearest with the scheme's observer. Int scales are rounded to the model dtype first,
         so the scale on disk is exactly the one that produced the values."""
         dtype = dtype or w.dtype
-        scale, zero = weight_qparams(w, scheme, None if scheme.is_fp8 else dtype)
-        return cls(quantize_weight(w, scale, zero, scheme), scale, scheme, zero, None, dtype)
+        fmt = format_for(scheme)
+        qp = fmt.qparams(w, scheme, dtype)
+        return cls.of(fmt.quantize(w, qp, scheme), qp, scheme, dtype)
+
+    @classmethod
+    def of(cls, values: torch.Tensor, qp: QParams, scheme: QuantScheme, dtype: torch.dtype,
+           g_idx: torch.Tensor | None = None) -> "QTensor":
+        """A QTensor from stored values and the qparams that produced them."""
+        return cls(values, qp.scale, scheme, qp.zero_point, g_idx, dtype, dict(qp.extra))

@@ -1,29 +1,75 @@
-"""Parameters of each algorithm step, as frozen dataclasses (light: no torch import).
+"""The algorithm steps a recipe may list: each step's parameters as a frozen dataclass, declared with what the recipe
+parser needs to validate a step list (light: no torch import) — its phase, whether it is the recipe's solver, what
+it conflicts with, whether it needs data.
 
-The recipe loader validates a step's YAML mapping against the dataclass registered here; an
-algorithm module reads its parameters from the same dataclass.
+The recipe loader validates a step's YAML mapping against the dataclass registered here; the step's implementation
+(qtk.steps, registered under the same name) reads its parameters from the same dataclass.
 """
 
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
+from enum import IntEnum
 from typing import Any, Mapping
 
 from qtk.errors import UsageError
 
+
+class Phase(IntEnum):
+    """When a step runs in a layer: transforms first (smoothing, rotations: they change the weights and their
+    inputs), then statistics are observed on the transformed layer, then the weights are solved."""
+
+    TRANSFORM = 1
+    OBSERVE = 2
+    SOLVE = 3
+
+
 STEP_PARAMS: dict[str, type] = {}
 
 
-def register_step(name: str):
+def register_step(name: str, *, phase: Phase, solver: bool = False, conflicts: Mapping[str, str] | None = None,
+                  title: str | None = None):
+    """Declare a recipe step on its parameters dataclass (which also says `needs_data`).
+
+    solver: the step decides how the weights are rounded, and a recipe lists exactly one solver, last (rtn, gptq;
+    awq, a transform whose weights round-to-nearest then rounds). conflicts: {other step: why}, a pair a recipe may
+    not list together. title: how messages name it."""
+
     def deco(cls):
         cls.step_name = name
+        cls.phase = phase
+        cls.solver = solver
+        cls.conflicts = dict(conflicts or {})
+        cls.title = title or name
         STEP_PARAMS[name] = cls
         return cls
 
     return deco
 
 
-@register_step("rtn")
+def check_steps(names: list[str], origin: str) -> None:
+    """Refuse a recipe's step list (known names) that is not one solver, last, after steps in phase order, without
+    conflicting pairs; every message names the problem and a fix."""
+    if len(set(names)) != len(names):
+        raise UsageError(f"{origin}: algorithm lists a step twice ({names})", "list each step once")
+    solvers = [n for n in names if STEP_PARAMS[n].solver]
+    if len(solvers) != 1 or names[-1] != solvers[0]:
+        every = [n for n, c in STEP_PARAMS.items() if c.solver]
+        raise UsageError(f"{origin}: algorithm must end with exactly one of {', '.join(every)} (got {names})",
+                         "e.g. [smoothquant, gptq] or [awq]")
+    for a, b in zip(names, names[1:]):
+        pa, pb = STEP_PARAMS[a].phase, STEP_PARAMS[b].phase
+        if pb < pa:
+            raise UsageError(f"{origin}: algorithm lists {b} ({pb.name.lower()}) after {a} ({pa.name.lower()}), but every "
+                             "layer is transformed, then observed, then solved",
+                             f"list {b} before {a}")
+    for a in names:
+        for b, why in STEP_PARAMS[a].conflicts.items():
+            if b in names:
+                raise UsageError(f"{origin}: {a} and {b} {why}", "use one of them")
+
+
+@register_step("rtn", phase=Phase.SOLVE, solver=True, title="RTN")
 @dataclass(frozen=True)
 class RTNParams:
     """Round-to-nearest with the scheme's observer (min-max or MSE grid)."""
@@ -38,7 +84,7 @@ class RTNParams:
 ACTORDER = {"static": "static", "weight": "static", "group": "group", "dynamic": "group", "false": None, "none": None}
 
 
-@register_step("gptq")
+@register_step("gptq", phase=Phase.SOLVE, solver=True, title="GPTQ")
 @dataclass(frozen=True)
 class GPTQParams:
     """GPTQ (Frantar et al., 2022): second-order error compensation per Linear.
@@ -114,7 +160,8 @@ def gptq_actorder(value, static_groups: bool, where: str) -> str | None:
     return a
 
 
-@register_step("awq")
+@register_step("awq", phase=Phase.TRANSFORM, solver=True, title="AWQ",
+               conflicts={"smoothquant": "both rescale the same channels"})
 @dataclass(frozen=True)
 class AWQParams:
     """AWQ (Lin et al., 2023): activation-aware per-channel scales, then a clip search."""
@@ -137,7 +184,7 @@ class AWQParams:
             raise UsageError(f"{where}.n_sample_tokens: must be positive", "use e.g. 512")
 
 
-@register_step("smoothquant")
+@register_step("smoothquant", phase=Phase.TRANSFORM, title="SmoothQuant")
 @dataclass(frozen=True)
 class SmoothQuantParams:
     """SmoothQuant (Xiao et al., 2022): migrate activation outliers into weights with strength alpha."""

@@ -208,7 +208,7 @@ OVERRIDE_KEYS = ("targets", "weights", "activations")
 
 def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
     """Validate a parsed YAML document into a Recipe; every error names the key and the fix."""
-    from qtk.recipe.params import STEP_PARAMS, parse_step_params
+    from qtk.recipe.params import STEP_PARAMS, check_steps, parse_step_params
 
     if not isinstance(doc, Mapping):
         raise UsageError(f"{origin}: a recipe is a YAML mapping, got {type(doc).__name__}", "start with 'name:' and 'weights:' keys")
@@ -242,15 +242,7 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
         if not isinstance(sname, str) or sname not in STEP_PARAMS:
             raise UsageError(f"{where}: unknown algorithm {sname!r}", f"use one of {', '.join(sorted(STEP_PARAMS))}")
         steps.append(Step(sname, parse_step_params(sname, sparams, f"{where}.{sname}")))
-    names = [s.name for s in steps]
-    if len(set(names)) != len(names):
-        raise UsageError(f"{origin}: algorithm lists a step twice ({names})", "list each step once")
-    solvers = [n for n in names if n in ("rtn", "gptq", "awq")]
-    if len(solvers) != 1 or names[-1] != solvers[0]:
-        raise UsageError(f"{origin}: algorithm must end with exactly one of rtn, gptq, awq (got {names})",
-                         "e.g. [smoothquant, gptq] or [awq]")
-    if "awq" in names and "smoothquant" in names:
-        raise UsageError(f"{origin}: awq and smoothquant both rescale the same channels", "use one of them")
+    check_steps([s.name for s in steps], origin)
 
     ignore = doc.get("ignore", ["lm_head"])
     if isinstance(ignore, str):

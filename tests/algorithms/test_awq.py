@@ -180,3 +180,52 @@ def test_apply_clip_known_values():
     assert out.float().tolist() == [[1.0, -2.0, 0.5, 1.0], [-3.0, 3.0, 0.5, -0.5]]
     with pytest.raises(ValueError, match="does not fit"):
         apply_clip(W, torch.ones(2, 3))
+
+
+def test_awq_scales_quantize_each_weight_with_its_own_scheme():
+    """Linears sharing an input may carry different schemes (overrides): the search measures each with its own; one
+    scheme for all is the same search as that scheme given once."""
+    x, Ws = block_inputs(3)
+    p = AWQParams(grid=6)
+    mixed = [SCHEMES["int4-g32-sym"], SCHEMES["int8-channel-sym"]]
+    s, info = awq_search_scales(x, Ws, mixed, p, torch.float32)
+    ones = torch.ones(IN)
+    ref = torch.cat([x @ W.t() for W in Ws], dim=1)
+    out = torch.cat([x @ rtn_quantize(W, sc, torch.float32).dequantize().t() for W, sc in zip(Ws, mixed)], dim=1)
+    assert info["loss_identity"] == pytest.approx((out - ref).pow(2).mean().item(), rel=1e-6)
+    assert info["loss_identity"] < awq_search_scales(x, Ws, SCHEMES["int4-g32-sym"], p, torch.float32)[1]["loss_identity"]
+    s1, i1 = awq_search_scales(x, Ws, [SCHEMES["int4-g32-sym"]] * 2, p, torch.float32)
+    s2, i2 = awq_search_scales(x, Ws, SCHEMES["int4-g32-sym"], p, torch.float32)
+    assert torch.equal(s1, s2) and i1 == i2
+
+
+def test_awq_searches_choose_on_the_combined_losses():
+    """combine(losses, tokens) sees every candidate's loss before the choice (where issue-13 style processes merge
+    theirs): favouring one candidate makes it the choice, the identity changes nothing."""
+    x, Ws = block_inputs(4)
+    p, sc = AWQParams(grid=5), SCHEMES["int4-g32-asym"]
+    seen = []
+
+    def identity(losses, tokens):
+        seen.append((losses.shape, tokens))
+        return losses
+
+    s0, i0 = awq_search_scales(x, Ws, sc, p, torch.float32)
+    s1, i1 = awq_search_scales(x, Ws, sc, p, torch.float32, combine=identity)
+    assert torch.equal(s0, s1) and i0 == i1 and seen == [((6,), TOKENS)]
+
+    def favour_ratio_two_fifths(losses, tokens):
+        out = losses + 1.0
+        out[3] = 0.0  # candidates: s = 1, then r = 0, 0.2, 0.4, ...
+        return out
+
+    _, i2 = awq_search_scales(x, Ws, sc, p, torch.float32, combine=favour_ratio_two_fifths)
+    assert i2["ratio"] == pytest.approx(0.4) and i2["loss"] == 0.0
+
+    W = Ws[0]
+    m0 = awq_search_clip(x, W, sc, p, torch.float32)
+    m1 = awq_search_clip(x, W, sc, p, torch.float32, combine=lambda err, n: err)
+    assert torch.equal(m0, m1)
+    full = W.reshape(W.shape[0], -1, 32).abs().amax(-1)
+    m2 = awq_search_clip(x, W, sc, p, torch.float32, combine=lambda err, n: err.neg())  # the worst shrink wins
+    assert not torch.equal(m2, m0) and (m2 <= full).all()

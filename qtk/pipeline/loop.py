@@ -1,0 +1,224 @@
+"""The sequential layer loop (docs/architecture.md): capture the inputs of layer 0, then per decoder layer: load it
+from disk, run the recipe's steps phase by phase (transform, observe, solve), run the quantized layer to produce the
+next layer's inputs, hand a LayerResult to the sinks, free it. Memory stays O(one layer). The loop never names an
+algorithm: the steps registry (qtk.steps) says what runs, in which phase."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from qtk.errors import UsageError
+from qtk.model.moe import moe_blocks, report_starved_experts
+from qtk.model.simulate import QLinear, engine_weight, set_kv_hook, use_qtk_attention
+from qtk.pipeline.capture import capture_layer_inputs
+from qtk.pipeline.device import compute_dtype, resolve_device
+from qtk.pipeline.memory import map_large_allocations, release_freed_memory
+from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
+from qtk.pipeline.targets import check_group_size, target_linears
+from qtk.recipe import Recipe
+from qtk.steps import LOCAL, LayerContext, Phase, Reducer, folded_scales, plan_steps
+from qtk.steps.records import ExpertTokensRecord
+from qtk.steps.smoothing import smoothed_weight
+from qtk.steps.stats import ExpertTokens, KVAmax
+from qtk.steps.swap import swap_in
+
+
+def relative_error(w: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((w.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _forward_all(layer, batches):
+    with torch.no_grad():
+        return [(layer(h, **kw), kw) for h, kw in batches]
+
+
+def runnable_steps(plan, batches) -> list:
+    """The planned (step, params) that can run: steps that need data are skipped without calibration batches, except
+    a solver, which nothing can stand in for."""
+    out = []
+    for step, params in plan:
+        if step.needs_data and not batches:
+            if step.phase is Phase.SOLVE:
+                raise UsageError(f"{step.title} needs calibration data", f"remove the {step.name} step or give --calib")
+            continue
+        out.append((step, params))
+    return out
+
+
+def run_phase(ctx: LayerContext, steps, phase: Phase) -> None:
+    """Run the steps of one phase on the layer, in plan order, keeping each one's record."""
+    for step, params in steps:
+        if step.phase is phase:
+            record = step.run(ctx, params)
+            if record is not None:
+                ctx.records[step.name] = record
+
+
+def _store_transformed(ctx: LayerContext) -> None:
+    """Folded norms and biases are stored in the model dtype: from here on the layer computes with exactly what is
+    stored (the quantized weights are replaced when solved)."""
+    quantized_w = {t + ".weight" for t in ctx.targets}
+    with torch.no_grad():
+        for name, p in ctx.layer.named_parameters():
+            if name not in quantized_w:
+                p.copy_(p.to(ctx.dtype).float())
+
+
+def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batches, targets: list[str], *,
+                  device=None, reducer: Reducer = LOCAL):
+    """Quantize one materialised layer; returns its LayerResult and the next layer's inputs."""
+    arch, dtype = source.arch, source.dtype
+    prefix = source.layer_prefix(i)
+    for t in targets:
+        if t not in dict(layer.named_modules()):
+            raise UsageError(f"layer {i} has no module {t}", f"this checkpoint does not match the {arch.name} architecture table")
+
+    ctx = LayerContext(i, prefix, layer, arch, recipe, targets, batches, dtype, resolve_device(device), reducer)
+    steps = runnable_steps(plan_steps(recipe), batches)
+    transformed = any(step.phase is Phase.TRANSFORM for step, _ in steps)
+    if transformed:  # fp32 copies of the weights to quantize while transforms fold scales into them
+        ctx.master = {t: layer.get_submodule(t).weight.detach().float() for t in targets}
+    run_phase(ctx, steps, Phase.TRANSFORM)
+    if transformed:
+        _store_transformed(ctx)
+    run_phase(ctx, steps, Phase.OBSERVE)
+    # the weights as they enter the solver, the reference of the errors below (swap_in replaces, never writes)
+    weights = ctx.master or {t: layer.get_submodule(t).weight.detach() for t in targets}
+    run_phase(ctx, steps, Phase.SOLVE)
+    qweights, amax, records = ctx.qweights, ctx.amax, ctx.records
+
+    errors = {}
+    scales = folded_scales(records) if transformed else {}
+    for t, qt in qweights.items():
+        if not torch.isfinite(qt.scale).all():  # a NaN/Inf weight poisons its row's scale: cheaper than scanning W
+            raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
+        if batches and not isinstance(layer.get_submodule(t), QLinear):
+            w_hat = swap_in(layer, t, qt, ctx.scheme(t).activations, amax)  # the next layer sees what the engine computes
+        else:
+            w_hat = layer.get_submodule(t).weight if batches else engine_weight(qt)
+        # measured against the source weight in the frame it was quantized in (smoothing folded, AWQ's clipping not:
+        # it is part of the error), the reference `qtk inspect` rebuilds from the source and the records
+        if transformed:
+            w = source.tensor(f"{prefix}{t}.weight").to(ctx.device).to(compute_dtype(source)).float()
+            if scales:
+                w = smoothed_weight(w, t, arch, scales)
+        else:
+            w = weights[t].float()
+        errors[prefix + t] = relative_error(w_hat, w)
+        del w_hat, w
+    del weights  # only the quantized layer is needed from here
+    ctx.master = {}
+
+    kv, next_batches = None, None
+    if batches:
+        kv, next_batches = _propagate(ctx)
+
+    quantized = {t + ".weight" for t in targets}
+    dense = {prefix + k: v.detach().to(dtype) for k, v in layer.state_dict().items() if k not in quantized}
+    for k, v in dense.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            raise UsageError(f"tensor {k} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
+    host = torch.device("cpu")  # what the sinks receive lives on the host, whatever the device the layer ran on
+    result = LayerResult(
+        index=i,
+        qweights={prefix + t: q.to(host) for t, q in qweights.items()},
+        dense={k: v.to(host) for k, v in dense.items()},
+        input_amax={prefix + t: a for t, a in amax.items()},
+        k_amax=None if kv is None else kv.k.value,
+        v_amax=None if kv is None else kv.v.value,
+        weight_error=errors,
+        records={k: r for k, r in records.items() if r.to_json()},  # a step that chose nothing leaves no record
+        dense_linears=tuple(prefix + m for m in (*arch.linears, *arch.dense_linears) if m not in targets),
+    )
+    return result, next_batches
+
+
+def _propagate(ctx: LayerContext):
+    """Run the quantized layer on its inputs: its outputs are the next layer's inputs. Observes K (after RoPE) and V
+    for a quantized KV cache, and counts the tokens routed to each MoE expert. Returns (KVAmax | None, outputs)."""
+    layer, arch, recipe = ctx.layer, ctx.arch, ctx.recipe
+    kv = None
+    if recipe.kv_cache is not None:
+        kv = KVAmax()
+        set_kv_hook(layer.get_submodule(arch.attn), kv)
+    blocks = moe_blocks(layer, arch)
+    for b in blocks.values():
+        b.reset_counts()
+    next_batches = _forward_all(layer, ctx.batches)
+    if blocks:  # tokens each expert received on the calibration set (with the quantized layer upstream)
+        experts = ExpertTokens()
+        for n, b in blocks.items():
+            experts.update(ctx.prefix + n, b.routed)
+        counts = experts.reduce(ctx.reducer).as_lists()
+        ctx.records["expert_tokens"] = ExpertTokensRecord(counts)
+        report_starved_experts(counts, recipe.calibration.min_expert_tokens)
+    if kv is not None:
+        set_kv_hook(layer.get_submodule(arch.attn), None)
+        kv.reduce(ctx.reducer)
+    return kv, next_batches
+
+
+def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, batch_size: int = 8,
+        on_layer: Callable[[int, int, LayerDone], None] | None = None, resume=None, device=None,
+        reducer: Reducer = LOCAL) -> PipelineStats:
+    """Stream the model through the recipe into every sink (writer): dense tensors, then layer by layer.
+
+    on_layer(done, total, LayerDone) after each layer. resume: a qtk.resume.ResumeState; completed layers
+    are replayed from it and each new one saved to it. device: where layers, activations and statistics live (default
+    the CPU); what the sinks receive is on the host. reducer: how statistics of several processes combine (LOCAL:
+    one process)."""
+    device = resolve_device(device)
+    stats = PipelineStats()
+    check_group_size(source, recipe)
+    if calib_ids is not None:
+        map_large_allocations()
+    t0 = time.perf_counter()
+    skeleton = source.skeleton()
+    if calib_ids is not None:
+        use_qtk_attention(skeleton)
+    for name in source.non_layer_tensor_names():
+        t = source.tensor(name)
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
+        for s in sinks:
+            s.add_dense(name, t.to(source.dtype) if t.is_floating_point() else t)
+    batches, layer_kwargs = (capture_layer_inputs(source, skeleton, calib_ids, batch_size, device)
+                             if calib_ids is not None else (None, None))
+    stats.timings["capture"] = time.perf_counter() - t0
+
+    n = source.num_layers
+    start = 0
+    if resume is not None and resume.completed:
+        start = min(resume.completed, n)
+        for i in range(start):  # replay finished layers into fresh writers
+            r = resume.load_layer(i)
+            for s in sinks:
+                s.add_layer(r)
+            stats.record(r)
+            if on_layer:
+                on_layer(i + 1, n, LayerDone.of(r, replayed=True))
+        if batches is not None and start < n:
+            batches = [(h.to(device), kw) for h, (_, kw) in zip(resume.load_hidden(), batches)]
+    t_layers = time.perf_counter()
+    for i in range(start, n):
+        targets = target_linears(source, recipe, i)
+        layer = source.layer(skeleton, i, compute_dtype(source), device=device)
+        if batches is not None:
+            batches = [(h, kw) for (h, _), kw in zip(batches, layer_kwargs[i])]
+        result, batches = process_layer(source, recipe, i, layer, batches, targets, device=device, reducer=reducer)
+        del layer
+        for s in sinks:
+            s.add_layer(result)
+        stats.record(result)
+        release_freed_memory()
+        if resume is not None:
+            resume.save_layer(result, None if batches is None else [h for h, _ in batches])
+        done = LayerDone.of(result)
+        del result
+        if on_layer:
+            on_layer(i + 1, n, done)
+    stats.timings["layers"] = time.perf_counter() - t_layers
+    return stats

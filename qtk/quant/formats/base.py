@@ -1,0 +1,118 @@
+"""The format registry: one spec per number format, looked up by `format_for(scheme)`.
+
+A spec is the one place that knows a format's arithmetic: the quantization parameters of a weight (`qparams`),
+its stored values (`quantize`, `storage_dtype`), how they decode (`dequantize`), GPTQ's column by column
+quantization (`column_quantizer`), and how the engines quantize activations at run time (`fake_quant_activation`,
+`static_scale`). QTensor, the solvers and the simulator ask the spec of a scheme instead of branching on its type.
+How a format is packed on disk is the writers' business (the export codecs), keyed by the same scheme.
+
+A format whose quantization needs more than a scale and a zero point (NVFP4's per-tensor global scale, block
+scales) returns them in `QParams.extra`; QTensor carries them in its `extra` mapping, under the spec's names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from qtk.quant.scheme import QuantScheme
+
+
+@dataclass(frozen=True)
+class QParams:
+    """What a format computes from a weight before rounding it: scale, zero point (asymmetric int) and the tensors a
+    format needs beyond them (`extra`, e.g. a global scale), which QTensor carries under the same names."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None = None
+    extra: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+# GPTQ's quantizer of one column w [out] with that column's scale s and zero point z -> (q, dequantized q)
+ColumnQuantizer = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+class Format:
+    """A number format. Subclasses implement every method; the spec is stateless (everything comes from the scheme)."""
+
+    name: str = ""
+
+    def accepts(self, scheme: QuantScheme) -> bool:
+        """Whether this spec quantizes `scheme` (type, bits, strategy)."""
+        raise NotImplementedError
+
+    def storage_dtype(self, scheme: QuantScheme) -> torch.dtype:
+        """The dtype of QTensor.values: unpacked codes [out, in]."""
+        raise NotImplementedError
+
+    def has_zero_point(self, scheme: QuantScheme) -> bool:
+        """Whether qparams carry a zero point (asymmetric int)."""
+        raise NotImplementedError
+
+    def scale_dtype(self, scheme: QuantScheme, model_dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype scales are stored (and rounded to before use) in; None: float32."""
+        raise NotImplementedError
+
+    def qparams(self, w: torch.Tensor, scheme: QuantScheme, model_dtype: torch.dtype) -> QParams:
+        """Quantization parameters of weight w [out, in] (model_dtype: the dtype the model stores, for scales)."""
+        raise NotImplementedError
+
+    def quantize(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme) -> torch.Tensor:
+        """Stored values of w [out, in] under qp, in storage_dtype."""
+        raise NotImplementedError
+
+    def dequantize(self, values: torch.Tensor, qp: QParams, scheme: QuantScheme,
+                   g_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [out, in] from stored values; g_idx [in] maps each input column to its group (act-order)."""
+        raise NotImplementedError
+
+    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None) -> ColumnQuantizer:
+        """For GPTQ: quantize one column with its scale (and zero point); qp holds tensor-wide extras if any."""
+        raise NotImplementedError
+
+    def dequantize_columns(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                           qp: QParams | None = None) -> torch.Tensor:
+        """For GPTQ: float32 values of a block of quantized columns q [count, out] with per-column scale / zero
+        [count | 1, out] (qp: as given to column_quantizer), elementwise as column_quantizer dequantizes each."""
+        raise NotImplementedError
+
+    def fake_quant_activation(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize-dequantize activations as the engine does at run time (dynamic, or static with `scale`)."""
+        raise NotImplementedError
+
+    def static_scale(self, amax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+        """Static per-tensor activation scale [1] from a calibrated absolute maximum."""
+        raise NotImplementedError
+
+
+FORMATS: list[Format] = []
+_by_scheme: dict[QuantScheme, Format] = {}
+
+
+def register_format(cls: type[Format]) -> type[Format]:
+    """Class decorator: add a spec to the registry (schemes are matched against specs in registration order)."""
+    if any(f.name == cls.name for f in FORMATS):
+        raise ValueError(f"a number format named {cls.name!r} is already registered")
+    FORMATS.append(cls())
+    _by_scheme.clear()
+    return cls
+
+
+def unregister_format(name: str) -> None:
+    """Remove a spec (for tests that register a format of their own)."""
+    FORMATS[:] = [f for f in FORMATS if f.name != name]
+    _by_scheme.clear()
+
+
+def format_for(scheme: QuantScheme) -> Format:
+    """The spec that quantizes `scheme`; a scheme no spec accepts is an internal error (recipes are validated first)."""
+    f = _by_scheme.get(scheme)
+    if f is None:
+        f = next((f for f in FORMATS if f.accepts(scheme)), None)
+        if f is None:
+            raise ValueError(f"no number format quantizes {scheme.describe()} "
+                             f"(registered: {', '.join(f.name for f in FORMATS) or 'none'})")
+        _by_scheme[scheme] = f
+    return f

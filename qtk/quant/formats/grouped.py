@@ -1,0 +1,184 @@
+"""What formats with one scale (and zero point) per tensor, output channel or group of input columns share: the
+grouped views of a weight, the min-max and MSE-grid observers, and the quantize / dequantize skeleton. A format
+(integer.py, fp8.py) supplies its scale rule, zero point, rounding and storage dtype.
+
+Dequantized w = (q - zero) * scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtk.quant.formats.base import Format, QParams
+from qtk.quant.scheme import QuantScheme
+
+STRATEGIES = ("tensor", "channel", "group")
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """View w [out, in] as [out, n_groups, group] so each statistic reduces over the last dim."""
+    out, inp = w.shape
+    if scheme.strategy == "tensor":
+        return w.reshape(1, 1, -1)
+    if scheme.strategy == "channel":
+        return w.reshape(out, 1, inp)
+    if scheme.strategy == "group":
+        g = scheme.group_size
+        assert inp % g == 0, f"group_size {g} does not divide in_features {inp}"  # validated upstream
+        return w.reshape(out, inp // g, g)
+    raise ValueError(f"weights cannot use strategy {scheme.strategy!r}")
+
+
+def ungroup(t: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """[out|1, n_groups, 1] -> the storage shape of a scale for the strategy: [1], [out, 1] or [out, in/group]."""
+    if scheme.strategy == "tensor":
+        return t.reshape(1)
+    if scheme.strategy == "channel":
+        return t.reshape(-1, 1)
+    return t.reshape(t.shape[0], t.shape[1])
+
+
+def regroup(t: torch.Tensor, w_shape, scheme: QuantScheme) -> torch.Tensor:
+    """A scale in its storage shape -> [out|1, n_groups, 1], to broadcast over grouped(w)."""
+    out, inp = w_shape
+    if scheme.strategy == "tensor":
+        return t.reshape(1, 1, 1)
+    if scheme.strategy == "channel":
+        return t.reshape(out, 1, 1)
+    return t.reshape(out, inp // scheme.group_size, 1)
+
+
+def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    q = q.float()
+    if zero is not None:
+        q = q - zero
+    return q * scale
+
+
+class GroupedFormat(Format):
+    """Base of the int and fp8 specs. Subclasses define raw_scale, zero_point, quantize_grouped, max_value,
+    round_activation_ and storage_dtype; the arithmetic around them is shared."""
+
+    def accepts(self, scheme: QuantScheme) -> bool:
+        raise NotImplementedError
+
+    # ---- what a subclass defines ----
+
+    def raw_scale(self, xmin: torch.Tensor, xmax: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+        """Scale from per-group min <= 0 <= max, before the zero-scale guard and the storage rounding."""
+        raise NotImplementedError
+
+    def zero_point(self, xmin: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor | None:
+        return None
+
+    def quantize_grouped(self, wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                         scheme: QuantScheme) -> torch.Tensor:
+        """q for w viewed [*, n_groups, group] with scale/zero [*, n_groups, 1] (values of the grid, any float dtype)."""
+        raise NotImplementedError
+
+    def max_value(self, scheme: QuantScheme) -> float:
+        """The largest magnitude of the grid, in units of the scale (activation scale = amax / max_value)."""
+        raise NotImplementedError
+
+    def round_activation_(self, y: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+        """Round scaled float32 activations onto the grid, in place where possible."""
+        raise NotImplementedError
+
+    # ---- shared ----
+
+    def scale_zero(self, xmin: torch.Tensor, xmax: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype | None):
+        """Scale (and zero point) from per-group min/max; scales rounded to their storage dtype first."""
+        xmin = torch.minimum(xmin, torch.zeros_like(xmin))
+        xmax = torch.maximum(xmax, torch.zeros_like(xmax))
+        scale = self.raw_scale(xmin, xmax, scheme)
+        # an all-zero group quantizes to zeros with any scale; 1.0 keeps every scale finite and positive
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if scale_dtype is not None:
+            scale = scale.to(scale_dtype).float()
+            scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(scale_dtype).tiny))
+        return scale, self.zero_point(xmin, scale, scheme)
+
+    def _mse_shrink(self, wg, xmin, xmax, scheme, scale_dtype, grid: int = 80, max_shrink: float = 0.8, norm: float = 2.4):
+        """MSE-grid observer: per group, the shrink of [min, max] that minimises |Q(w) - w|^norm."""
+        best_err = torch.full(xmin.shape, float("inf"), device=wg.device)
+        best_min, best_max = xmin.clone(), xmax.clone()
+        for i in range(int(max_shrink * grid)):
+            p = 1 - i / grid
+            smin, smax = p * xmin, p * xmax
+            scale, zero = self.scale_zero(smin, smax, scheme, scale_dtype)
+            err = (dequantize_grouped(self.quantize_grouped(wg, scale, zero, scheme), scale, zero) - wg).abs().pow(norm).sum(-1, keepdim=True)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_min = torch.where(better, smin, best_min)
+            best_max = torch.where(better, smax, best_max)
+        return best_min, best_max
+
+    def grouped_qparams(self, w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype | None):
+        """(scale, zero) of weight w [out, in] with scales rounded to scale_dtype; shapes [1], [out, 1] or [out, in/group]."""
+        wg = grouped(w.float(), scheme)
+        xmin = wg.amin(-1, keepdim=True)
+        xmax = wg.amax(-1, keepdim=True)
+        if scheme.observer == "mse":
+            xmin, xmax = self._mse_shrink(wg, xmin, xmax, scheme, scale_dtype)
+        scale, zero = self.scale_zero(xmin, xmax, scheme, scale_dtype)
+        return ungroup(scale, scheme), (None if zero is None else ungroup(zero, scheme))
+
+    def qparams(self, w: torch.Tensor, scheme: QuantScheme, model_dtype: torch.dtype) -> QParams:
+        scale, zero = self.grouped_qparams(w, scheme, self.scale_dtype(scheme, model_dtype))
+        return QParams(scale, zero)
+
+    def quantize(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme) -> torch.Tensor:
+        wg = grouped(w.float(), scheme)
+        zero = qp.zero_point
+        q = self.quantize_grouped(wg, regroup(qp.scale, w.shape, scheme),
+                                  None if zero is None else regroup(zero, w.shape, scheme), scheme)
+        return q.reshape(w.shape).to(self.storage_dtype(scheme))
+
+    def dequantize(self, values: torch.Tensor, qp: QParams, scheme: QuantScheme,
+                   g_idx: torch.Tensor | None = None) -> torch.Tensor:
+        scale, zero = qp.scale, qp.zero_point
+        if g_idx is not None:
+            s = scale[:, g_idx.long()]
+            z = None if zero is None else zero[:, g_idx.long()].float()
+            qf = values.float()
+            return ((qf - z) if z is not None else qf) * s
+        qg = grouped(values.float(), scheme)
+        w = dequantize_grouped(qg, regroup(scale.float(), values.shape, scheme),
+                               None if zero is None else regroup(zero.float(), values.shape, scheme))
+        return w.reshape(values.shape)
+
+    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None):
+        def quantize_column(w, s, z):
+            q = self.quantize_grouped(w, s, z, scheme)
+            return q, dequantize_grouped(q, s, z)
+
+        return quantize_column
+
+    def dequantize_columns(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                           qp: QParams | None = None) -> torch.Tensor:
+        return dequantize_grouped(q, scale, zero)
+
+    def fake_quant_activation(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token dynamic (scale = row amax / max) or static per-tensor; runs on every Linear input of a simulated
+        model, so it works in place on one float32 buffer."""
+        qmax = self.max_value(scheme)
+        if scheme.dynamic:
+            amax = x.abs().amax(-1, keepdim=True) if scheme.strategy == "token" else x.abs().amax()
+            if amax.dtype != torch.float32:
+                amax = amax.float()
+            # an all-zero row quantizes to zeros with any positive scale: the smallest normal float stands in for 0
+            s = amax.div_(qmax).clamp_min_(_TINY)
+        else:
+            if scale is None:
+                raise ValueError("static activation quantization needs a calibrated input scale")
+            s = scale.float().reshape(())
+        y = x.float().div(s) if x.dtype != torch.float32 else x.div(s)
+        y = self.round_activation_(y, scheme)
+        y = y.mul_(s)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def static_scale(self, amax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+        a = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
+        s = a / self.max_value(scheme)
+        return torch.where(s > 0, s, torch.ones_like(s))

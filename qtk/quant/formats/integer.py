@@ -1,0 +1,79 @@
+"""int-N (N in 2, 4, 8) with one scale per tensor, output channel or group of input columns, symmetric or asymmetric.
+
+Conventions (shared by every writer, so one QTensor serves all targets):
+- symmetric: the full signed grid q in [qmin, qmax] = [-2^(b-1), 2^(b-1)-1] with scale = amax / ((qmax - qmin) / 2)
+  (amax/7.5 int4, amax/127.5 int8), as compressed-tensors' calculate_qparams computes it (and llm-compressor and
+  AutoGPTQ with it);
+- asymmetric: scale = (max - min) / (qmax - qmin), zero = round(qmin - min/scale), q in [qmin, qmax], both in the
+  signed range (compressed-tensors' convention; legacy packers shift to unsigned);
+- scales are rounded to the model dtype before the values are computed, so the scale on disk is exactly the one that
+  produced them. Values are stored unpacked as int8 [out, in].
+
+Every target decodes exactly (q - zero) * scale for any q of the full grid (docs/grids.md): vLLM's
+compressed-tensors kernels (int8, and uint4b8/uint8b128 = q + 2^(b-1) for packed weights), the legacy GPTQ
+and AWQ kernels ((q_u - z_u) * s with z_u = 2^(b-1) when symmetric), TensorRT-LLM's int8 SmoothQuant GEMM and
+its group-wise int4 kernel (W4A16_AWQ, signed int4 times the scale). ModelOpt exports amax/7 (amax/127) scales,
+which leave the code -2^(b-1) unused; that is its choice of scale, not a constraint of the kernels that read it.
+The one place another grid is simulated is trtllm-build's own weight-only quantization of plain W8A16/W4A16
+weights (qtk.export.trtllm). Activations keep the engines' run-time conventions: amax/127 per token, or a static
+amax/127.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtk.quant.formats.base import register_format
+from qtk.quant.formats.grouped import STRATEGIES, GroupedFormat
+from qtk.quant.scheme import INT_BITS, QuantScheme
+
+
+@register_format
+class IntFormat(GroupedFormat):
+    name = "int"
+
+    def accepts(self, scheme: QuantScheme) -> bool:
+        return scheme.type == "int" and scheme.num_bits in INT_BITS and scheme.strategy in (*STRATEGIES, "token")
+
+    def storage_dtype(self, scheme: QuantScheme) -> torch.dtype:
+        return torch.int8
+
+    def has_zero_point(self, scheme: QuantScheme) -> bool:
+        return not scheme.symmetric
+
+    def scale_dtype(self, scheme: QuantScheme, model_dtype: torch.dtype) -> torch.dtype | None:
+        return model_dtype
+
+    def raw_scale(self, xmin, xmax, scheme):
+        if scheme.symmetric:
+            return torch.maximum(xmax, -xmin) / ((scheme.qmax - scheme.qmin) / 2)  # full grid: amax/7.5, amax/127.5
+        return (xmax - xmin) / (scheme.qmax - scheme.qmin)
+
+    def zero_point(self, xmin, scale, scheme):
+        if scheme.symmetric:
+            return None
+        return torch.round(scheme.qmin - xmin / scale).clamp(scheme.qmin, scheme.qmax)
+
+    def quantize_grouped(self, wg, scale, zero, scheme):
+        q = torch.round(wg / scale)
+        if zero is not None:
+            q = q + zero
+        return q.clamp(scheme.qmin, scheme.qmax)
+
+    def column_quantizer(self, scheme: QuantScheme, qp=None):
+        qmin, qmax = scheme.qmin, scheme.qmax
+
+        def quantize_column(w, s, z):  # quantize_grouped / dequantize_grouped on one column: the same float ops, in place
+            q = torch.div(w, s).round_()
+            if z is not None:
+                q.add_(z)
+            q.clamp_(qmin, qmax)
+            return q, (q if z is None else q - z).mul(s)
+
+        return quantize_column
+
+    def max_value(self, scheme: QuantScheme) -> float:
+        return float(scheme.qmax)
+
+    def round_activation_(self, y, scheme):
+        return y.round_().clamp_(scheme.qmin, scheme.qmax)

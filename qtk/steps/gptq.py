@@ -1,0 +1,96 @@
+"""The GPTQ step (SOLVE): one Hessian and one solve per group of Linears sharing an input (qtk.algorithms.gptq), each
+group with its scheme (the members of a fusion group share one). Inputs enter the Hessians as the engine quantizes
+them (the group's activation scheme, with its static scale), and the next layer sees the quantized layer's outputs.
+
+params.true_sequential: each group's Hessian is taken on inputs produced by the already-quantized earlier
+sub-blocks, one partial forward per group. Otherwise (the default, as llm-compressor does) all Hessians come
+from one forward of the float layer, in as few passes as HESSIAN_PASS_BYTES allows, and the quantized groups
+are swapped in at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from qtk.algorithms.gptq import gptq_quantize_shared
+from qtk.quant.formats import fake_quant_activation, static_scale
+from qtk.recipe.params import GPTQParams
+from qtk.steps.capture import capture_many, sequential_groups
+from qtk.steps.context import LayerContext
+from qtk.steps.records import GPTQRecord, GPTQSolve, RTNFallback
+from qtk.steps.registry import register_step
+from qtk.steps.rtn import rtn_weights
+from qtk.steps.stats import Hessian
+from qtk.steps.swap import swap_in_all
+
+HESSIAN_PASS_BYTES = 1 << 30  # Hessians held by one calibration forward (MoE layers with many experts take several)
+
+log = logging.getLogger(__name__)
+
+
+@register_step("gptq")
+def run(ctx: LayerContext, params: GPTQParams) -> GPTQRecord:
+    record = GPTQRecord()
+    groups = sequential_groups(ctx.arch, ctx.targets)
+    if params.true_sequential:
+        for group in groups:
+            hessian = group_hessians(ctx, [group])[group]
+            solve_group(ctx, group, hessian, params, record)
+            swap_in_all(ctx, group)
+        return record
+    for chunk in hessian_passes(ctx.layer, groups):
+        hessians = group_hessians(ctx, chunk)
+        for group in chunk:
+            solve_group(ctx, group, hessians.pop(group), params, record)
+    swap_in_all(ctx, list(ctx.qweights))
+    return record
+
+
+def hessian_passes(layer, groups):
+    """Groups split into consecutive chunks whose fp32 Hessians together stay under HESSIAN_PASS_BYTES."""
+    chunks, cur, size = [], [], 0
+    for g in groups:
+        b = 4 * layer.get_submodule(g[0]).weight.shape[1] ** 2
+        if cur and size + b > HESSIAN_PASS_BYTES:
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(g)
+        size += b
+    return chunks + [cur] if cur else chunks
+
+
+def group_hessians(ctx: LayerContext, groups) -> dict[tuple[str, ...], Hessian]:
+    """{group: Hessian} from one forward over the batches, on the inputs as the engine quantizes them, reduced."""
+    hessians = {g: Hessian(ctx.layer.get_submodule(g[0]).weight.shape[1], ctx.device) for g in groups}
+
+    def observer(g):
+        act = ctx.group_scheme(g).activations
+        if act is None:
+            return hessians[g].update
+        scale = static_scale(ctx.amax[g[0]], act) if not act.dynamic else None
+
+        def update(x):  # the engine multiplies W by the quantized activations
+            hessians[g].update(fake_quant_activation(x, act, scale))
+
+        return update
+
+    capture_many(ctx.layer, ctx.batches, {g[0]: observer(g) for g in groups}, stop_when_all=True)
+    for h in hessians.values():
+        h.reduce(ctx.reducer)
+    return hessians
+
+
+def solve_group(ctx: LayerContext, group, hessian: Hessian, params: GPTQParams, record: GPTQRecord) -> None:
+    weights = [ctx.weight(t) for t in group]
+    scheme = ctx.group_scheme(group).weights
+    if hessian.tokens == 0:  # an MoE expert no calibration token reached: no Hessian, so round to nearest
+        log.warning("GPTQ: %s received no calibration tokens; quantized with RTN instead (more calibration "
+                    "samples would reach it)", ", ".join(ctx.prefix + t for t in group))
+        ctx.qweights.update(rtn_weights(dict(zip(group, weights)), {t: scheme for t in group}, ctx.arch, ctx.dtype))
+        for t in group:
+            record.modules[t] = RTNFallback("no calibration tokens")
+        return
+    solved = gptq_quantize_shared(weights, hessian.H, scheme, params, ctx.dtype, names=[ctx.prefix + t for t in group])
+    for t, (qt, i) in zip(group, solved):
+        ctx.qweights[t] = qt
+        record.modules[t] = GPTQSolve(i["damp_percent"], i["retries"], i["dead_columns"], i["loss"])

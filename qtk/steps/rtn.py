@@ -1,0 +1,44 @@
+"""The round-to-nearest step (SOLVE): each Linear with its scheme's observer; implied when no listed step solves the
+weights (AWQ's scaled and clipped weights round to nearest). Per-tensor scales are shared inside fusion groups,
+because the engines fuse q/k/v and gate/up into one GEMM with one scale."""
+
+from __future__ import annotations
+
+import torch
+
+from qtk.quant.formats import format_for
+from qtk.quant.qtensor import QTensor
+from qtk.quant.scheme import QuantScheme
+from qtk.recipe.params import STEP_PARAMS, Phase, RTNParams
+from qtk.steps.context import LayerContext
+from qtk.steps.registry import register_step
+
+
+def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme], arch, dtype) -> dict[str, QTensor]:
+    """QTensors of `weights` (relative name -> [out, in]) with their weight schemes (relative name -> scheme; the
+    members of a fusion group share theirs); a per-tensor scale is taken over the whole fusion group."""
+    out: dict[str, QTensor] = {}
+    for g in arch.fusion_groups:
+        members = [m for m in g if m in weights]
+        if len(members) > 1 and schemes[members[0]].strategy == "tensor":
+            scheme = schemes[members[0]]
+            fmt = format_for(scheme)
+            joint = torch.cat([weights[m].float() for m in members], dim=0)
+            qp = fmt.qparams(joint, scheme, dtype)
+            for m in members:
+                out[m] = QTensor.of(fmt.quantize(weights[m], qp, scheme), qp, scheme, dtype)
+    for name, w in weights.items():
+        if name not in out:
+            out[name] = QTensor.quantize(w, schemes[name], dtype)
+    return out
+
+
+def _implied(recipe) -> RTNParams | None:
+    """Round-to-nearest solves the weights of a recipe whose listed steps do not (e.g. [awq])."""
+    return None if any(STEP_PARAMS[s.name].phase is Phase.SOLVE for s in recipe.algorithm) else RTNParams()
+
+
+@register_step("rtn", implied=_implied)
+def run(ctx: LayerContext, params: RTNParams) -> None:
+    weights = {t: ctx.weight(t).float() for t in ctx.targets}
+    ctx.qweights.update(rtn_weights(weights, {t: ctx.scheme(t).weights for t in ctx.targets}, ctx.arch, ctx.dtype))

@@ -1,0 +1,187 @@
+"""Statistics as accumulators: each takes the batches of one process with `update` and becomes the statistic of
+every process with `reduce(reducer)`.
+
+The reducer is the seam where several processes meet (issue 13 plugs torch.distributed in: sums and maxima
+all-reduced, means weighted by token counts). A single process uses LOCAL, whose operations leave every tensor as it
+is, so a statistic reduced with it is bit for bit the one accumulated. Accumulators create their tensors on the
+device of the data they see (or the one they are given).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtk.algorithms.gptq import accumulate_hessian
+
+
+class Reducer:
+    """How processes that calibrated on different tokens combine a statistic. This one is a single process: there is
+    nothing to combine, and each method returns its argument untouched. A multi-process reducer overrides the three
+    methods (in place on the tensors given) and world_size."""
+
+    world_size = 1
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise sum over processes."""
+        return t
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum over processes."""
+        return t
+
+    def weighted_mean_(self, t: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+        """(Σ_p count_p · t_p / Σ_p count_p, Σ_p count_p): means over each process's `count` items, merged."""
+        return t, count
+
+
+LOCAL = Reducer()
+
+
+def _scalar_max(value: float, reducer: Reducer) -> float:
+    # float64 holds a Python float exactly, so a single process gets back the very value it passed
+    return float(reducer.max_(torch.tensor([value], dtype=torch.float64))[0])
+
+
+class Hessian:
+    """H = 2/n Σ x xᵀ over the n tokens seen (float32 [in, in]), the running average of accumulate_hessian. Processes
+    merge their H weighted by their token counts, which is the H of all their tokens."""
+
+    def __init__(self, in_features: int, device=None):
+        self.in_features, self.device = in_features, device
+        self.H: torch.Tensor | None = None  # None until the first token
+        self.tokens = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        """x [..., in]: a batch of inputs of the Linears that share this Hessian."""
+        self.H, self.tokens = accumulate_hessian(self.H, self.tokens, x, inplace=True)
+
+    def reduce(self, reducer: Reducer = LOCAL) -> "Hessian":
+        if self.H is None:
+            if reducer.world_size == 1:
+                return self  # no tokens here and nobody else's to take
+            self.H = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=self.device)
+        self.H, self.tokens = reducer.weighted_mean_(self.H, self.tokens)
+        return self
+
+
+class Amax:
+    """Running absolute maximum of everything seen (a Python float, 0.0 before any input)."""
+
+    def __init__(self):
+        self.value = 0.0
+
+    def update(self, x: torch.Tensor) -> None:
+        self.value = max(self.value, float(x.detach().abs().amax()))
+
+    def reduce(self, reducer: Reducer = LOCAL) -> "Amax":
+        self.value = _scalar_max(self.value, reducer)
+        return self
+
+
+class ChannelMax:
+    """Per input channel absolute maximum [in] (float32) and the number of tokens seen (SmoothQuant's statistic)."""
+
+    def __init__(self, in_features: int, device=None):
+        self.amax = torch.zeros(in_features, device=device)
+        self.tokens = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, self.amax.shape[0])
+        self.tokens += x.shape[0]
+        if x.shape[0]:
+            torch.maximum(self.amax, x.abs().amax(0).float(), out=self.amax)
+
+    def reduce(self, reducer: Reducer = LOCAL) -> "ChannelMax":
+        reducer.max_(self.amax)
+        self.tokens = int(reducer.sum_(torch.tensor([self.tokens], dtype=torch.int64))[0])
+        return self
+
+
+def evenly_spaced(x: torch.Tensor, limit: int) -> torch.Tensor:
+    """At most `limit` evenly spaced rows of x [tokens, in] (deterministic, so a search can be repeated)."""
+    if x.shape[0] > limit:
+        x = x[torch.linspace(0, x.shape[0] - 1, limit).round().long()]
+    return x
+
+
+class TokenSample:
+    """Up to `limit` evenly spaced input tokens (float32 [tokens, in]), spread over `batches` batches (AWQ's
+    searches run on them). Each process keeps its own sample; what processes merge is the searches' losses
+    (SearchLosses), weighted by the tokens each measured them on."""
+
+    def __init__(self, limit: int, batches: int):
+        self.limit = limit
+        self.per_batch = max(1, limit // max(1, batches))
+        self.parts: list[torch.Tensor] = []
+
+    def update(self, x: torch.Tensor) -> None:
+        x = evenly_spaced(x.reshape(-1, x.shape[-1]), self.per_batch)
+        self.parts.append(x.float().clone())
+
+    def sample(self) -> torch.Tensor | None:
+        """The sample, None when nothing was seen (an MoE expert no token was routed to)."""
+        if not self.parts:
+            return None
+        return evenly_spaced(torch.cat([t.reshape(-1, t.shape[-1]) for t in self.parts]).float(), self.limit)
+
+
+class SearchLosses:
+    """The mean loss of each candidate of a search (AWQ's scale grid, its clip shrinks), measured on `tokens` tokens of
+    this process; merged across processes as a mean weighted by their tokens."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.losses: torch.Tensor | None = None
+
+    def update(self, losses: torch.Tensor) -> "SearchLosses":
+        self.losses = losses if self.losses is None else torch.cat([self.losses, losses])
+        return self
+
+    def reduce(self, reducer: Reducer = LOCAL) -> "SearchLosses":
+        self.losses, self.tokens = reducer.weighted_mean_(self.losses, self.tokens)
+        return self
+
+    @staticmethod
+    def combiner(reducer: Reducer):
+        """The `combine(losses, tokens)` hook of qtk.algorithms.awq's searches, merging through `reducer`."""
+        return lambda losses, tokens: SearchLosses(tokens).update(losses).reduce(reducer).losses
+
+
+class KVAmax:
+    """Absolute maxima of K (after RoPE) and of V in one attention module; the object is the attention hook
+    (qtk.model.simulate.set_kv_hook) that observes them."""
+
+    def __init__(self):
+        self.k, self.v = Amax(), Amax()
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor):
+        self.update(key, value)
+        return key, value
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.k.update(key)
+        self.v.update(value)
+
+    def reduce(self, reducer: Reducer = LOCAL) -> "KVAmax":
+        self.k.reduce(reducer)
+        self.v.reduce(reducer)
+        return self
+
+
+class ExpertTokens:
+    """Calibration tokens routed to each expert of each MoE block: block name -> counts [experts] (int64)."""
+
+    def __init__(self):
+        self.counts: dict[str, torch.Tensor] = {}
+
+    def update(self, block: str, routed: torch.Tensor) -> None:
+        prev = self.counts.get(block)
+        self.counts[block] = routed.clone() if prev is None else prev + routed
+
+    def reduce(self, reducer: Reducer = LOCAL) -> "ExpertTokens":
+        for c in self.counts.values():
+            reducer.sum_(c)
+        return self
+
+    def as_lists(self) -> dict[str, list[int]]:
+        return {b: c.tolist() for b, c in self.counts.items()}

@@ -1,0 +1,149 @@
+"""Statistics as accumulators: one process's reduce (LOCAL) leaves every statistic bit for bit as accumulated, and the
+reduce seam is enough for several processes — simulated here with two — to get the statistics of all their tokens
+(Hessians merged by token counts, maxima maxed, counts summed, search losses weighted by tokens)."""
+
+import pytest
+import torch
+
+from qtk.algorithms.gptq import accumulate_hessian
+from qtk.steps.stats import (LOCAL, Amax, ChannelMax, ExpertTokens, Hessian, KVAmax, Reducer, SearchLosses,
+                             TokenSample, evenly_spaced)
+
+G = torch.Generator().manual_seed(0)
+BATCHES = [torch.randn(2, 7 + i, 32, generator=G) * (1 + i) for i in range(5)]
+
+
+class Recording(Reducer):
+    """One process of two, first to reduce: its tensors as the collective would receive them."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.sent = []
+
+    def sum_(self, t):
+        self.sent.append(t.clone())
+        return t
+
+    max_ = sum_
+
+    def weighted_mean_(self, t, count):
+        self.sent.append((t.clone(), count))
+        return t, count
+
+
+class Peer(Reducer):
+    """The other process: combines its tensors with what Recording saw, call by call, as an all-reduce would."""
+
+    world_size = 2
+
+    def __init__(self, sent):
+        self.sent = list(sent)
+
+    def sum_(self, t):
+        return t.add_(self.sent.pop(0))
+
+    def max_(self, t):
+        return torch.maximum(t, self.sent.pop(0), out=t)
+
+    def weighted_mean_(self, t, count):
+        other, n = self.sent.pop(0)
+        total = count + n
+        return t.mul_(count / total).add_(other * (n / total)), total
+
+
+def test_local_reduce_leaves_every_statistic_as_accumulated():
+    h = Hessian(32)
+    H, n = None, 0
+    for x in BATCHES:
+        h.update(x)
+        H, n = accumulate_hessian(H, n, x)
+    before = h.H
+    assert h.reduce(LOCAL) is h and h.H is before and h.tokens == n == sum(x.shape[0] * x.shape[1] for x in BATCHES)
+    assert torch.equal(h.H, H)  # the running average, bit for bit
+    cm = ChannelMax(32)
+    a = Amax()
+    for x in BATCHES:
+        cm.update(x)
+        a.update(x)
+    amax = cm.amax.clone()
+    assert torch.equal(cm.reduce(LOCAL).amax, amax) and cm.tokens == n
+    assert a.reduce(LOCAL).value == max(float(x.abs().amax()) for x in BATCHES)
+    losses = torch.tensor([0.3, 0.1, 0.2], dtype=torch.float64)
+    assert SearchLosses(17).update(losses).reduce(LOCAL).losses is losses
+    empty = Hessian(8)
+    assert empty.reduce(LOCAL).H is None and empty.tokens == 0  # no tokens, nothing allocated
+
+
+def _two_processes(make, feed):
+    """Accumulate the batches split over two processes and reduce through the seam; returns both processes' view."""
+    a, b = make(), make()
+    for k, x in enumerate(BATCHES):
+        feed(a if k % 2 else b, x)
+    rec = Recording()
+    b.reduce(rec)
+    a.reduce(Peer(rec.sent))
+    return a
+
+
+def test_two_processes_get_the_statistics_of_all_their_tokens():
+    whole = Hessian(32)
+    for x in BATCHES:
+        whole.update(x)
+    h = _two_processes(lambda: Hessian(32), lambda acc, x: acc.update(x))
+    assert h.tokens == whole.tokens
+    torch.testing.assert_close(h.H, whole.H, rtol=1e-5, atol=1e-6)  # equal up to float reassociation
+
+    cm = _two_processes(lambda: ChannelMax(32), lambda acc, x: acc.update(x))
+    assert torch.equal(cm.amax, torch.cat([x.reshape(-1, 32) for x in BATCHES]).abs().amax(0))
+    assert cm.tokens == whole.tokens
+
+    a = _two_processes(Amax, lambda acc, x: acc.update(x))
+    assert a.value == max(float(x.abs().amax()) for x in BATCHES)
+
+    kv = _two_processes(KVAmax, lambda acc, x: acc(x, 2 * x))
+    assert (kv.k.value, kv.v.value) == (a.value, 2 * a.value)
+
+    e = _two_processes(ExpertTokens, lambda acc, x: acc.update("block", torch.tensor([x.shape[1], 1, 0])))
+    assert e.as_lists() == {"block": [sum(x.shape[1] for x in BATCHES), 5, 0]}
+
+
+def test_search_losses_merge_as_a_mean_over_every_process_tokens():
+    rec = Recording()
+    SearchLosses(10).update(torch.tensor([1.0, 4.0], dtype=torch.float64)).reduce(rec)
+    merged = SearchLosses(30).update(torch.tensor([3.0, 0.0], dtype=torch.float64)).reduce(Peer(rec.sent))
+    assert merged.tokens == 40 and merged.losses.tolist() == pytest.approx([2.5, 1.0])
+    combine = SearchLosses.combiner(LOCAL)
+    t = torch.tensor([0.5, 0.25])
+    assert combine(t, 3) is t
+
+
+def test_an_empty_hessian_joins_the_reduction_with_zeros():
+    """A process no token reached still takes part (collectives need every process), with weight 0."""
+    full = Hessian(32)
+    for x in BATCHES:
+        full.update(x)
+    rec = Recording()
+    H = full.H.clone()
+    full.reduce(rec)
+    empty = Hessian(32).reduce(Peer(rec.sent))
+    assert empty.tokens == full.tokens
+    torch.testing.assert_close(empty.H, H)
+
+
+def test_token_sample_keeps_evenly_spaced_tokens_per_batch():
+    s = TokenSample(limit=12, batches=len(BATCHES))
+    for x in BATCHES:
+        s.update(x)
+    per_batch = 12 // len(BATCHES)
+    parts = [evenly_spaced(x.reshape(-1, 32), per_batch) for x in BATCHES]
+    assert torch.equal(s.sample(), evenly_spaced(torch.cat(parts), 12))
+    assert s.sample().shape == (10, 32)
+    assert TokenSample(4, 1).sample() is None  # nothing seen: an expert no token reached
+
+
+def test_kv_hook_passes_key_and_value_through():
+    kv = KVAmax()
+    k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    assert kv(k, v) == (k, v)
+    assert kv.k.value == float(k.abs().amax()) and kv.v.value == float(v.abs().amax())

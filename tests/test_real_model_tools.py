@@ -1,0 +1,111 @@
+"""The real-model tooling without the real model (fast): scripts/real_model.py's cache rules, and
+benchmarks/real_model.py's translation of qtk recipes to llm-compressor's and its code comparison."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models import make_tiny_model
+from qtk import api
+from qtk.recipe import builtin_recipes, load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(path: Path, name: str):
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def script():
+    return _load(ROOT / "scripts" / "real_model.py", "scripts_real_model")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load(ROOT / "benchmarks" / "real_model.py", "bench_real_model")
+
+
+def test_an_unstamped_directory_is_not_taken_for_the_model(script, tmp_path, monkeypatch):
+    monkeypatch.setenv("QTK_REAL_MODEL_DIR", str(tmp_path))
+    d = script.model_path()
+    assert d.parent == tmp_path
+    d.mkdir()
+    (d / "config.json").write_text("{}")  # an interrupted build: files, no stamp
+    assert script.real_model_dir(build_if_missing=False) is None
+    (d / script.STAMP).write_text(json.dumps({"package": f"{script.PACKAGE}=={script.VERSION}",
+                                              "files": ["config.json", "model.safetensors"]}))
+    assert script.real_model_dir(build_if_missing=False) is None  # a listed file is missing
+    (d / "model.safetensors").write_bytes(b"x")
+    assert script.real_model_dir(build_if_missing=False) == d
+
+
+def test_check_flag_never_downloads(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_model.py"), "--check"], capture_output=True,
+                       text=True, env={"QTK_REAL_MODEL_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 1 and "not built" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_int4_group_size_lowered_to_one_dividing_every_linear(bench):
+    doc = bench.qtk_recipe_doc("w4a16-gptq", [576, 1536])
+    assert doc["weights"]["group_size"] == 64
+    assert bench.qtk_recipe_doc("w4a16-gptq", [512, 1536])["weights"]["group_size"] == 128
+    assert "group_size" not in bench.qtk_recipe_doc("w8a16", [576])["weights"]
+
+
+@pytest.mark.parametrize("name", sorted(builtin_recipes()))
+def test_each_builtin_recipe_has_its_llmcompressor_spelling(bench, name):
+    doc = bench.qtk_recipe_doc(name, [576, 1536])
+    cfg = bench.llmc_config(doc)
+    types = [m["type"] for m in cfg["modifiers"]]
+    quant = cfg["modifiers"][-1]["kwargs"]
+    group = quant["config_groups"]["group_0"]
+    assert group["weights"]["num_bits"] == doc["weights"]["num_bits"]
+    assert group["weights"].get("group_size") == doc["weights"].get("group_size")
+    assert group["weights"].get("symmetric", True) == doc["weights"].get("symmetric", True)
+    assert quant["ignore"] == ["lm_head"]
+    steps = [next(iter(s)) if isinstance(s, dict) else s for s in doc["algorithm"]]
+    expected = {"smoothquant": ["SmoothQuantModifier"], "awq": ["AWQModifier", "QuantizationModifier"],
+                "gptq": ["GPTQModifier"], "rtn": ["QuantizationModifier"]}
+    assert types == [t for s in steps for t in expected[s]]
+    act = doc.get("activations")
+    if act and not act.get("dynamic"):
+        assert group["input_activations"]["observer"] == "static_minmax"  # llm-compressor's FP8 preset observer
+        assert bench.llmc_config(doc, observer="minmax")["modifiers"][-1]["kwargs"]["config_groups"]["group_0"][
+            "input_activations"]["observer"] == "minmax"
+    assert ("kv_cache_scheme" in quant) == bool(doc.get("kv_cache"))
+    # data only where the recipe looks at it: weight-only RTN and dynamic activations need none
+    assert cfg["calibrate"] == load_recipe(name).needs_calibration
+
+
+def test_compare_codes_counts_identical_codes_and_scales(bench, tmp_path, calib_file):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model(tmp_path / "m", hidden=128, intermediate=256)
+    a = api.convert(src, "w4a16", tmp_path / "a", hash_source=False).outputs["vllm"]
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "config.json").write_text((a / "config.json").read_text())
+    sd = load_file(str(a / "model.safetensors"))
+    same = bench.compare_codes(a, a)
+    assert same["codes_equal"] == 1.0 and same["scales_equal"] == 1.0 and same["tensors_all_codes_equal"] == same["tensors"]
+    k = sorted(x for x in sd if x.endswith("weight_packed"))[0]
+    sd[k] = sd[k].clone()
+    sd[k][0, 0] ^= 0xF  # the first int4 code of one row flips to another code
+    save_file(sd, str(b / "model.safetensors"))
+    c = bench.compare_codes(a, b)
+    n = torch.Size(sd[k.replace("packed", "shape")].tolist()).numel()
+    total = sum(torch.Size(sd[x.replace("packed", "shape")].tolist()).numel() for x in sd if x.endswith("weight_packed"))
+    assert c["codes_equal"] == pytest.approx(1 - 1 / total) and c["scales_equal"] == 1.0
+    assert c["tensors_all_codes_equal"] == c["tensors"] - 1
+    assert c["per_tensor"][k[: -len(".weight_packed")]]["codes_equal"] == pytest.approx(1 - 1 / n)
