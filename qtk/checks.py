@@ -120,11 +120,11 @@ def layer_of(module: str, arch) -> int | None:
 
 
 def smoothing_scales(records: dict | None) -> dict[str, list[float]]:
-    """A layer's smoothing scales as the pipeline recorded them: {prev: s} (SmoothQuant s, or AWQ's chosen s)."""
-    records = records or {}
-    out = {k: v for k, v in (records.get("smoothquant") or {}).items() if v}
-    out.update({k: v for k, v in ((records.get("awq") or {}).get("s") or {}).items() if v})
-    return out
+    """A layer's smoothing scales from its manifest records (JSON): {prev: s}, as the pipeline folded them."""
+    from qtk.steps.records import RECORDS, folded_scales, records_from_json
+
+    # records of steps this qtk does not know (a newer writer) fold nothing it could undo
+    return folded_scales(records_from_json({k: v for k, v in (records or {}).items() if k in RECORDS}))
 
 
 def frame_unknown(records: dict | None) -> bool:
@@ -134,29 +134,10 @@ def frame_unknown(records: dict | None) -> bool:
     return any(r is not None for r in (awq.get("scales") or {}).values()) and not awq.get("s")
 
 
-def smoothed_weight(W, rel: str, arch, scales: dict[str, list[float]]):
-    """The source weight of Linear `rel` (relative to its layer) in the frame it was quantized in: the recorded
-    smoothing scales folded in as the pipeline folds them (same functions, same order), float32. AWQ's clipping is
-    not undone: the error against this reference counts clipping as part of the quantization error."""
-    import torch
-
-    from qtk.algorithms.smooth import fold_into_linear_rows, scale_linear_columns
-
-    W = W.float()
-    for pair in arch.smoothing:
-        s = scales.get(pair.prev)
-        if not s:
-            continue
-        if not pair.prev_is_norm and rel == pair.prev:
-            W = fold_into_linear_rows(W, None, torch.tensor(s, dtype=torch.float32))[0]
-        if rel in pair.nexts:
-            W = scale_linear_columns(W, torch.tensor(s, dtype=torch.float32))
-    return W
-
-
 def reference_weight(source, module: str, arch, layer_records: dict | None):
     """float32 [out, in]: the source weight of `module` as the quantizer saw it (model dtype, smoothing folded)."""
     from qtk.pipeline import compute_dtype
+    from qtk.steps.smoothing import smoothed_weight
 
     W = source.tensor(f"{module}.weight").to(compute_dtype(source)).float()
     i = layer_of(module, arch)
@@ -164,10 +145,6 @@ def reference_weight(source, module: str, arch, layer_records: dict | None):
     if i is None or not scales:
         return W
     return smoothed_weight(W, module[len(f"{arch.layers}.{i}."):], arch, scales)
-
-
-def relative_error(w, ref) -> float:
-    return float((w.float() - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
 # ---- the checks ----
@@ -217,6 +194,8 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
     it that check is reported as skipped, with `source_note` saying why. recipe: the recipe it was converted with
     (default: the one qtk.json records), for the set of Linears that must be quantized."""
     import torch
+
+    from qtk.pipeline import relative_error
 
     rep = CheckReport()
     cfg_problems = config_problems(ck.hf_config)

@@ -166,3 +166,22 @@ def test_crash_at_every_write_and_rename_then_resume(tmp_path, calib_file, monke
         assert all(m.startswith("resumed at layer") for m in res.messages)
         shutil.rmtree(out)
         shutil.rmtree(image)
+
+
+def test_a_saved_layer_comes_back_with_every_qtensor_field(tmp_path):
+    """A format's extra tensors (NVFP4's global scale) survive the resume state, or a resumed run writes without them."""
+    import torch
+
+    from qtk.convert.resume import ResumeState
+    from qtk.pipeline import LayerResult
+    from qtk.quant.qtensor import QTensor
+    from qtk.quant.scheme import QuantScheme
+
+    qt = QTensor(torch.randint(-8, 8, (4, 8), dtype=torch.int8), torch.rand(4, 1), QuantScheme(4), None, None,
+                 torch.bfloat16, {"global_scale": torch.tensor([3.5])})
+    state = ResumeState(tmp_path, "k", num_layers=2)
+    state.save_layer(LayerResult(index=0, qweights={"m.q": qt}, dense={}), None)
+    back = ResumeState(tmp_path, "k", num_layers=2).load_layer(0).qweights["m.q"]
+    assert torch.equal(back.values, qt.values) and torch.equal(back.scale, qt.scale)
+    assert set(back.extra) == {"global_scale"} and torch.equal(back.extra["global_scale"], qt.extra["global_scale"])
+    assert back.dtype == torch.bfloat16 and back.scheme == qt.scheme

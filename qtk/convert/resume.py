@@ -131,7 +131,10 @@ class ResumeState:
                 tensors[f"q/{m}/zero_point"] = qt.zero_point
             if qt.g_idx is not None:
                 tensors[f"q/{m}/g_idx"] = qt.g_idx
-            record["qweights"][m] = {"scheme": asdict(qt.scheme), "dtype": str(qt.dtype).replace("torch.", "")}
+            for k, v in qt.extra.items():  # what a format needs beyond scale and zero point (a global scale)
+                tensors[f"x/{m}/{k}"] = v
+            record["qweights"][m] = {"scheme": asdict(qt.scheme), "dtype": str(qt.dtype).replace("torch.", ""),
+                                     "extra": sorted(qt.extra)}
         for n, t in result.dense.items():
             tensors[f"d/{n}"] = t
         try:
@@ -185,7 +188,8 @@ class ResumeState:
         qweights = {}
         for m, info in s["qweights"].items():
             qweights[m] = QTensor(t[f"q/{m}/values"], t[f"q/{m}/scale"], QuantScheme(**info["scheme"]),
-                                  t.get(f"q/{m}/zero_point"), t.get(f"q/{m}/g_idx"), getattr(torch, info["dtype"]))
+                                  t.get(f"q/{m}/zero_point"), t.get(f"q/{m}/g_idx"), getattr(torch, info["dtype"]),
+                                  {k: t[f"x/{m}/{k}"] for k in info.get("extra", ())})
         dense = {n: t[f"d/{n}"] for n in s["dense"]}
         return LayerResult(index=i, qweights=qweights, dense=dense, input_amax=s["input_amax"], k_amax=s["k_amax"],
                            v_amax=s["v_amax"], weight_error=s["weight_error"], records=s["records"],
