@@ -22,6 +22,7 @@ from qtk.tune.search import (
     build_frontier,
     deployment_budget,
     infeasible,
+    smallest,
     load_candidates,
     parse_tuned,
     recipe_text,
@@ -124,30 +125,38 @@ def run_tune(model, tasks_file, out, *, candidates: Sequence[str] = DEFAULT_CAND
         dep = Deployment(gpu=gpu_spec, context=context, concurrency=concurrency, tp=tp)
         check_deployment(shape, dep)
 
-    # ---- one calibration pass
+    # ---- the budget against the smallest assignment, from bytes alone (before any data is read)
     from qtk.convert import calibration
+    from qtk.pipeline import target_linears
     from qtk.recipe import Recipe
-    from qtk.tune.sensitivity import measure
+    from qtk.tune.sensitivity import Sensitivity, UnitSensitivity, measure, units_of
 
     first = next(c for c in cset.candidates if not c.dense)
     probe = Recipe(name="tune", weights=first.scheme.weights, calibration=cset.calibration,
                    algorithm=cset.recipes[first.name].algorithm)
+    layout = Sensitivity(cset.candidates, [
+        UnitSensitivity(i, u.label, tuple(source.layer_prefix(i) + t for t in u.linears), {})
+        for i in range(source.num_layers) for u in units_of(source.arch, target_linears(source, probe, i))])
+    costs = unit_costs(shape, layout, cset, None if dep is None else _serving_dtype(shape, dep))
+    kv_kinds = (("fp8" if gpu_spec.fp8 else "int8"),) if gpu_spec is not None else ()
+    budget = (deployment_budget(shape, dep, {k: 0.0 for k in kv_kinds}) if dep is not None else
+              Budget(max_weight_bytes, f"--max-weight-bytes {max_weight_bytes}", ()))
+    if smallest(costs, budget) > budget.limit:
+        raise infeasible(smallest(costs, budget), budget)
+
+    # ---- one calibration pass
     ids, _ = calibration.calibration_ids(source, _needs_data(probe), ConvertOptions(), say, timings)
     say("sensitivity pass")
-    kv_kinds = (("fp8" if gpu_spec.fp8 else "int8"),) if gpu_spec is not None else ()
     t0 = time.perf_counter()
     sens = measure(source, cset.candidates, ids, solver=cset.solver, kv_kinds=kv_kinds, batch_size=batch_size,
                    on_layer=lambda i, n: say(f"sensitivity: layer {i}/{n}"))
     timings["sensitivity"] = time.perf_counter() - t0
+    assert [u.modules for u in sens.units] == [u.modules for u in layout.units]
 
-    # ---- budget and frontier
-    costs = unit_costs(shape, sens, cset, None if dep is None else _serving_dtype(shape, dep))
-    budget = (deployment_budget(shape, dep, sens) if dep is not None else
-              Budget(max_weight_bytes, f"--max-weight-bytes {max_weight_bytes}", ()))
+    # ---- the frontier
+    if dep is not None:
+        budget = deployment_budget(shape, dep, sens.kv_damage)
     f = build_frontier(sens, costs, budget, uniform_only)
-    top = f.best_within(budget.limit)
-    if top is None:
-        raise infeasible(f, budget)
     points = [p for p in f.points if p.bytes <= budget.limit]
     # the all-16-bit point has nothing to convert
     points = [p for p in points if any(c != "bf16" for c in assignment(p, sens, budget, uniform_only).choice)]

@@ -145,7 +145,7 @@ class Budget:
     fixed: int = 0  # bytes of the limit taken by activations and overhead (deployment), for messages
 
 
-def deployment_budget(shape: ModelShape, dep, sens: Sensitivity) -> Budget:
+def deployment_budget(shape: ModelShape, dep, kv_damage: dict[str, float]) -> Budget:
     """From qtk plan's model of the deployment: per GPU, weights/tp + KV cache + activations + overhead must stay
     within memory × utilization. Activations and overhead do not depend on the scheme; the rest is summed over the
     tp GPUs (weights are split across them), so the search works in checkpoint bytes."""
@@ -160,9 +160,9 @@ def deployment_budget(shape: ModelShape, dep, sens: Sensitivity) -> Budget:
     kv8 = kv_bytes_per_request(shape, dep.context, 1, dep.tp) * dep.concurrency
     kind = "fp8" if dep.gpu.fp8 else "int8"
     opts = [KVOption("16-bit", None, kv16 * dep.tp, 0.0)]
-    if kind in sens.kv_damage:
+    if kind in kv_damage:
         scales = 2 * 4 * shape.layers  # k_scale, v_scale float32 per layer, in the checkpoint
-        opts.append(KVOption(kind, "float" if kind == "fp8" else "int", kv8 * dep.tp + scales, sens.kv_damage[kind]))
+        opts.append(KVOption(kind, "float" if kind == "fp8" else "int", kv8 * dep.tp + scales, kv_damage[kind]))
     return Budget(room * dep.tp, f"{dep.describe()} (memory × {dep.utilization:g} minus activations and overhead)",
                   tuple(opts), dep, budget - room)
 
@@ -285,9 +285,13 @@ def with_calibration(cset: CandidateSet, dataset=None, num_samples=None, seq_len
     return replace(cset, calibration=c)
 
 
-def infeasible(f: Frontier, budget: Budget) -> CheckFailed:
-    """Exit 1 naming the smallest budget anything meets."""
-    need = f.min_bytes
+def smallest(costs: Costs, budget: Budget) -> int:
+    """The fewest bytes any assignment takes (every unit at its cheapest, the cheapest KV option)."""
+    return costs.base + sum(min(u.values()) for u in costs.units) + (min(o.bytes for o in budget.kv) if budget.kv else 0)
+
+
+def infeasible(need: int, budget: Budget) -> CheckFailed:
+    """Exit 1 naming the smallest budget anything meets (`need` bytes)."""
     if budget.deployment is not None:
         dep = budget.deployment
         per_gpu = -(-need // dep.tp) + budget.fixed
