@@ -176,3 +176,30 @@ def plan(model: str | Path, recipe: str | Path | Recipe | None = None, *, gpu: s
         recipe = decision.recipe
     r = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
     return make_plan(shape, r, dep, decision=decision, recipe_name=decision.chosen if decision else None)
+
+
+# ---- qtk tune (issue 15)
+
+
+def tune(model: str | Path, tasks_file: str | Path, out: str | Path, *, candidates: Sequence[str] = ("w4a16-gptq", "w8a16", "bf16"),
+         targets: Sequence[str] = ("vllm",), gpu: str | None = None, context: int = 4096, concurrency: int = 8, tp: int = 1,
+         max_weight_bytes: int | None = None, max_rounds: int = 6, calib: str | None = None,
+         num_samples: int | None = None, seq_len: int | None = None, seed: int | None = None,
+         text_field: str | None = None, limit: int | None = None, tasks: list[str] | None = None, strict: bool = False,
+         overwrite: bool = False, threads: int | None = None, batch_size: int = 8,
+         progress: Callable[[str], None] | None = None):
+    """The cheapest per-module mix of the `candidates` (recipe names or files, and 'bf16') that fits the budget and
+    passes the accuracy gate of `tasks_file` against `model`.
+
+    Budget: gpu= (with context/concurrency/tp: qtk plan's deployment model; an 8-bit KV cache is part of the search)
+    or max_weight_bytes=. One calibration pass estimates every unit's damage, the frontier gives the least damage for
+    every size, and each round converts one point and gates it (at most max_rounds), bisecting the frontier for the
+    cheapest point that passes. Writes out/<target>/, out/recipe.yaml (reproduces it with `qtk convert --recipe`),
+    out/tune.{json,md}, out/frontier.png, out/plan.json (with gpu=), out/rounds/round-N/gate.{json,md}.
+    Returns qtk.tune.job.TuneResult; raises CheckFailed when no budget point fits or none tried passes the gate."""
+    from qtk.tune.job import run_tune
+
+    return run_tune(model, tasks_file, out, candidates=candidates, targets=targets, gpu=gpu, context=context,
+                    concurrency=concurrency, tp=tp, max_weight_bytes=max_weight_bytes, max_rounds=max_rounds, calib=calib,
+                    num_samples=num_samples, seq_len=seq_len, seed=seed, text_field=text_field, limit=limit, tasks=tasks,
+                    strict=strict, overwrite=overwrite, threads=threads, batch_size=batch_size, progress=progress)

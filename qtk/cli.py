@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import click  # noqa: E402
 
 from qtk import __version__
-from qtk.errors import QtkError
+from qtk.errors import CheckFailed, QtkError, UsageError
 from qtk.export import TARGETS
 
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -159,6 +159,81 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
     if failed:
         click.echo(f"gate failed for: {', '.join(failed)}", err=True)
         sys.exit(1)
+
+
+# ---- qtk tune (issue 15)
+
+
+@main.command()
+@click.argument("model", type=click.Path(file_okay=False, path_type=str))
+@click.option("--tasks", "tasks_file", required=True, type=click.Path(dir_okay=False, path_type=str),
+              help="The accuracy gate: a `qtk eval` task file (see docs/eval.md).")
+@click.option("--output", "-o", "out", required=True, type=click.Path(path_type=str),
+              help="Output directory: OUT/<target>/, recipe.yaml, tune.{json,md}, frontier.png, plan.json, rounds/.")
+@click.option("--candidates", default="w4a16-gptq,w8a16,bf16", show_default=True,
+              help="Comma-separated weight-only recipes (built-in names or YAML files) each unit may get; bf16 keeps a unit in 16 bits.")
+@click.option("--target", "-t", "targets", multiple=True, default=("vllm",), show_default=True,
+              type=click.Choice(TARGETS), help="Checkpoint format(s) to write; awq and hf-modelopt hold one scheme, so only uniform points are tried.")
+@click.option("--gpu", default=None, help="Budget from `qtk plan`'s deployment model on this GPU (see `qtk plan --help`); the KV-cache format is searched too.")
+@click.option("--context", type=int, default=4096, show_default=True, help="Tokens per request (with --gpu).")
+@click.option("--concurrency", type=int, default=8, show_default=True, help="Concurrent requests (with --gpu).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel GPUs (with --gpu).")
+@click.option("--max-weight-bytes", default=None, help="Budget as checkpoint bytes instead of a deployment (e.g. 40GB, 1.5MB).")
+@click.option("--max-rounds", type=int, default=6, show_default=True, help="Most convert + gate rounds along the frontier.")
+@click.option("--calib", default=None, help="Calibration text (as for `qtk convert`) [default: the first GPTQ candidate's].")
+@click.option("--num-samples", type=int, default=None, help="Calibration windows [default: the first GPTQ candidate's].")
+@click.option("--seq-len", type=int, default=None, help="Tokens per calibration window [default: the first GPTQ candidate's].")
+@click.option("--seed", type=int, default=None, help="Calibration sampling seed.")
+@click.option("--limit", type=int, default=None, help="Examples per gate task [default: the task file's].")
+@click.option("--task", "tasks", multiple=True, help="Gate only this task of the file (repeatable).")
+@click.option("--strict", is_flag=True, help="Gate on point estimates, as `qtk eval --strict`.")
+@click.option("--overwrite", is_flag=True, help="Write into a non-empty OUT.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [torch's default].")
+def tune(model, tasks_file, out, candidates, targets, gpu, context, concurrency, tp, max_weight_bytes, max_rounds, calib,
+         num_samples, seq_len, seed, limit, tasks, strict, overwrite, threads):
+    """The cheapest per-module mix of CANDIDATES that fits a budget and passes an accuracy gate.
+
+    One calibration pass estimates, for every fusion group (q/k/v, o, gate/up, down; MoE experts together) and
+    every candidate, the damage (Hessian-weighted output error) and the exact bytes; the whole bytes-vs-damage
+    frontier follows. Each round converts one frontier point and gates it against MODEL, bisecting for the
+    cheapest point that passes. Exit 0: OUT holds the checkpoint(s) and recipe.yaml (`qtk convert --recipe
+    OUT/recipe.yaml` reproduces them); exit 1: nothing fits the budget (the smallest feasible one is named) or
+    nothing tried passes; exit 2: bad input.
+
+    \b
+      qtk tune model/ --tasks tasks.yaml --gpu h100-80g --context 8192 --concurrency 16 -o out/
+      qtk tune model/ --tasks tasks.yaml --max-weight-bytes 40GB --candidates w4a16-gptq,w8a16,bf16 -o out/
+    """
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    from qtk import api
+    from qtk.progress import Reporter
+
+    if max_weight_bytes is not None:
+        try:
+            max_weight_bytes = _size(max_weight_bytes)
+        except click.BadParameter:
+            raise UsageError(f"--max-weight-bytes {max_weight_bytes!r} is not a size", "e.g. --max-weight-bytes 40GB") from None
+    names = [c.strip() for c in candidates.split(",")]
+    with Reporter("qtk tune", unit="round") as rep:
+        res = api.tune(model, tasks_file, out, candidates=names, targets=targets, gpu=gpu, context=context,
+                       concurrency=concurrency, tp=tp, max_weight_bytes=max_weight_bytes, max_rounds=max_rounds,
+                       calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed, limit=limit,
+                       tasks=list(tasks) or None, strict=strict, overwrite=overwrite, threads=threads, progress=rep.stage)
+    for n in res.notes:
+        click.echo(f"note: {n}", err=True)
+    for t in res.trials:
+        click.echo(f"round {t.round}: {t.bytes / 1e6:.3f} MB, predicted damage {t.damage:.4g}: "
+                   + ("pass" if t.passed else "fail (" + "; ".join(t.failures) + ")"))
+    if not res.passed:
+        raise CheckFailed("no point tried passes the gate" + (f" within {res.report['budget']['what']}"),
+                          f"see {out}/tune.md; raise the budget, add a more precise candidate or more --max-rounds")
+    f = res.report["final"]
+    for t, path in res.outputs.items():
+        click.echo(f"wrote {t}: {path}")
+    click.echo(f"recipe: {res.recipe_path} ({f['bytes'] / 1e6:.3f} MB, KV cache {f['kv_cache']}); report: {out}/tune.md")
 
 
 def _next_steps(outputs: dict, model: str) -> None:

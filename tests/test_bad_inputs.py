@@ -112,6 +112,15 @@ CATALOGUE = {
     "eval-output-root": "qtk eval given the convert output root (out/, not out/vllm)",
     "eval-baseline-quantized": "qtk eval --baseline that is itself a quantized checkpoint",
     "eval-remote-code": "qtk eval of a model whose config names custom code, without --trust-remote-code",
+    # qtk tune (issue 15)
+    "tune-no-budget": "qtk tune without --gpu or --max-weight-bytes",
+    "tune-two-budgets": "qtk tune with both --gpu and --max-weight-bytes",
+    "tune-size-bad": "qtk tune --max-weight-bytes that is not a size",
+    "tune-candidate-activations": "qtk tune --candidates with a W8A8 recipe (int8-kv8)",
+    "tune-candidate-transform": "qtk tune --candidates with an AWQ recipe (w4a16-awq)",
+    "tune-candidate-unknown": "qtk tune --candidates naming no recipe",
+    "tune-max-rounds-zero": "qtk tune --max-rounds 0",
+    "tune-budget-infeasible": "qtk tune --max-weight-bytes below the smallest assignment",
     # hardening (issue 16): the source model, reads outside it, foreign code, sizes, the output directory
     "source-is-target": "the model is OUT/<target> (model p/vllm, -o p --overwrite)",
     "source-inside-target": "the model is inside OUT/<target> (model p/vllm/mymodel, -o p --overwrite)",
@@ -642,6 +651,29 @@ def test_eval_bad_inputs(tmp_path, model):
     code, out = cli("eval", ckpt, "--baseline", model, "--tasks", tasks)
     expect("eval-remote-code", code, out, tmp_path, "the baseline <tmp>/model needs custom code", "(config.json has auto_map)",
            "--trust-remote-code")
+
+
+def test_tune_bad_inputs(tmp_path, model):
+    """qtk tune refuses before any data is read, and leaves no output."""
+    tasks = _task_file(tmp_path, "{min_recovery: 0.98}")
+    out = tmp_path / "tuned"
+
+    def tune(*args):
+        code, output = cli("tune", model, "--tasks", tasks, "-o", out, *args)
+        assert not out.exists(), output
+        return code, output
+
+    expect("tune-no-budget", *tune(), tmp_path, "needs one budget", "--max-weight-bytes")
+    expect("tune-two-budgets", *tune("--gpu", "l4", "--max-weight-bytes", "1MB"), tmp_path, "needs one budget")
+    expect("tune-size-bad", *tune("--max-weight-bytes", "lots"), tmp_path, "'lots' is not a size")
+    expect("tune-candidate-activations", *tune("--max-weight-bytes", "1MB", "--candidates", "int8-kv8,bf16"), tmp_path,
+           "candidate int8-kv8 quantizes activations", "drop int8-kv8")
+    expect("tune-candidate-transform", *tune("--max-weight-bytes", "1MB", "--candidates", "w4a16-awq,w8a16"), tmp_path,
+           "candidate w4a16-awq runs awq")
+    expect("tune-candidate-unknown", *tune("--max-weight-bytes", "1MB", "--candidates", "w3a16,bf16"), tmp_path, "w3a16")
+    expect("tune-max-rounds-zero", *tune("--max-weight-bytes", "1MB", "--max-rounds", "0"), tmp_path, "--max-rounds")
+    expect("tune-budget-infeasible", *tune("--max-weight-bytes", "1000"), tmp_path, "no assignment fits",
+           "the smallest is", exit_code=1)
 # ---- hardening (issue 16) ----
 
 
