@@ -59,8 +59,10 @@ class Format:
         """Quantization parameters of weight w [out, in] (model_dtype: the dtype the model stores, for scales)."""
         raise NotImplementedError
 
-    def quantize(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme) -> torch.Tensor:
-        """Stored values of w [out, in] under qp, in storage_dtype."""
+    def quantize(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme,
+                 model_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Stored values of w [out, in] under qp, in storage_dtype; model_dtype: the dtype the model stores w in,
+        for formats whose reference quantizer rounds its arithmetic to it (None: float32 arithmetic)."""
         raise NotImplementedError
 
     def dequantize(self, values: torch.Tensor, qp: QParams, scheme: QuantScheme,
