@@ -70,8 +70,10 @@ class Format:
         """float32 [out, in] from stored values; g_idx [in] maps each input column to its group (act-order)."""
         raise NotImplementedError
 
-    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None) -> ColumnQuantizer:
-        """For GPTQ: quantize one column with its scale (and zero point); qp holds tensor-wide extras if any."""
+    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None,
+                         model_dtype: torch.dtype | None = None) -> ColumnQuantizer:
+        """For GPTQ: quantize one column with its scale (and zero point); qp holds tensor-wide extras if any;
+        model_dtype as in quantize, so a column is rounded as quantize rounds the same values."""
         raise NotImplementedError
 
     def dequantize_columns(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
