@@ -239,7 +239,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     Qdt = torch.empty_like(Wt) if dequantized else None  # dequantized [in, out], as the loop computed it
     row_loss = torch.zeros(out_f, dtype=torch.float64, device=Wt.device)  # Σ_j (w − q)²/[Hinv]²_jj / 2 per row of W
     bs = params.block_size
-    quantize_column = fmt.column_quantizer(scheme, qp)  # (w [out], s, z) -> (q, dequantized q)
+    quantize_column = fmt.column_quantizer(scheme, qp, model_dtype=dtype)  # (w [out], s, z) -> (q, dequantized q)
     for i1 in range(0, in_f, bs):
         i2 = min(i1 + bs, in_f)
         count = i2 - i1

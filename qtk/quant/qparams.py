@@ -23,9 +23,10 @@ def weight_qparams(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtyp
     return format_for(scheme).grouped_qparams(w, scheme, scale_dtype)
 
 
-def quantize_weight(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme) -> torch.Tensor:
-    """Stored values (int8 or fp8) of w [out, in] with the given qparams."""
-    return format_for(scheme).quantize(w, QParams(scale, zero), scheme)
+def quantize_weight(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme,
+                    model_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Stored values (int8 or fp8) of w [out, in] with the given qparams (model_dtype: see Format.quantize)."""
+    return format_for(scheme).quantize(w, QParams(scale, zero), scheme, model_dtype=model_dtype)
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme,

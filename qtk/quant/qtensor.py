@@ -59,11 +59,12 @@ class QTensor:
     @classmethod
     def quantize(cls, w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype | None = None) -> "QTensor":
         """Round-to-nearest with the scheme's observer. Int scales are rounded to the model dtype first,
-        so the scale on disk is exactly the one that produced the values."""
+        so the scale on disk is exactly the one that produced the values, and a bf16/fp16 model's int arithmetic
+        is rounded as compressed-tensors rounds it (qtk.quant.formats.integer)."""
         dtype = dtype or w.dtype
         fmt = format_for(scheme)
         qp = fmt.qparams(w, scheme, dtype)
-        return cls.of(fmt.quantize(w, qp, scheme), qp, scheme, dtype)
+        return cls.of(fmt.quantize(w, qp, scheme, model_dtype=dtype), qp, scheme, dtype)
 
     @classmethod
     def of(cls, values: torch.Tensor, qp: QParams, scheme: QuantScheme, dtype: torch.dtype,

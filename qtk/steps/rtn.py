@@ -26,7 +26,7 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
             joint = torch.cat([weights[m].float() for m in members], dim=0)
             qp = fmt.qparams(joint, scheme, dtype)
             for m in members:
-                out[m] = QTensor.of(fmt.quantize(weights[m], qp, scheme), qp, scheme, dtype)
+                out[m] = QTensor.of(fmt.quantize(weights[m], qp, scheme, model_dtype=dtype), qp, scheme, dtype)
     for name, w in weights.items():
         if name not in out:
             out[name] = QTensor.quantize(w, schemes[name], dtype)

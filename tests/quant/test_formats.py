@@ -94,13 +94,13 @@ class GlobalScaledFP4(Format):
         local = (w.abs().amax(1, keepdim=True) / 6 / gs).clamp_min(1e-6).to(torch.bfloat16).float()  # [out, 1]
         return QParams(local, None, {"global_scale": gs})
 
-    def quantize(self, w, qp, scheme):
+    def quantize(self, w, qp, scheme, model_dtype=None):
         return fp4_encode(w.float() / (qp.scale * qp.extra["global_scale"]))
 
     def dequantize(self, values, qp, scheme, g_idx=None):
         return fp4_decode(values) * (qp.scale * qp.extra["global_scale"])
 
-    def column_quantizer(self, scheme, qp=None):
+    def column_quantizer(self, scheme, qp=None, model_dtype=None):
         gs = qp.extra["global_scale"]
 
         def quantize_column(w, s, z):

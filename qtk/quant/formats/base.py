@@ -59,8 +59,10 @@ class Format:
         """Quantization parameters of weight w [out, in] (model_dtype: the dtype the model stores, for scales)."""
         raise NotImplementedError
 
-    def quantize(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme) -> torch.Tensor:
-        """Stored values of w [out, in] under qp, in storage_dtype."""
+    def quantize(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme,
+                 model_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Stored values of w [out, in] under qp, in storage_dtype; model_dtype: the dtype the model stores w in,
+        for formats whose reference quantizer rounds its arithmetic to it (None: float32 arithmetic)."""
         raise NotImplementedError
 
     def dequantize(self, values: torch.Tensor, qp: QParams, scheme: QuantScheme,
@@ -68,8 +70,10 @@ class Format:
         """float32 [out, in] from stored values; g_idx [in] maps each input column to its group (act-order)."""
         raise NotImplementedError
 
-    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None) -> ColumnQuantizer:
-        """For GPTQ: quantize one column with its scale (and zero point); qp holds tensor-wide extras if any."""
+    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None,
+                         model_dtype: torch.dtype | None = None) -> ColumnQuantizer:
+        """For GPTQ: quantize one column with its scale (and zero point); qp holds tensor-wide extras if any;
+        model_dtype as in quantize, so a column is rounded as quantize rounds the same values."""
         raise NotImplementedError
 
     def dequantize_columns(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

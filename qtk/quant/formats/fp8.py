@@ -29,10 +29,10 @@ class FP8Format(GroupedFormat):
     def scale_dtype(self, scheme: QuantScheme, model_dtype: torch.dtype) -> torch.dtype | None:
         return None  # float32: fp8 scales are not rounded to the model dtype
 
-    def raw_scale(self, xmin, xmax, scheme):
+    def raw_scale(self, xmin, xmax, scheme, half=None):
         return torch.maximum(xmax, -xmin) / FP8_MAX
 
-    def quantize_grouped(self, wg, scale, zero, scheme):
+    def quantize_grouped(self, wg, scale, zero, scheme, half=None):
         return (wg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
     def max_value(self, scheme: QuantScheme) -> float:

@@ -65,17 +65,26 @@ class GroupedFormat(Format):
 
     # ---- what a subclass defines ----
 
-    def raw_scale(self, xmin: torch.Tensor, xmax: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-        """Scale from per-group min <= 0 <= max, before the zero-scale guard and the storage rounding."""
+    def raw_scale(self, xmin: torch.Tensor, xmax: torch.Tensor, scheme: QuantScheme,
+                  half: torch.dtype | None = None) -> torch.Tensor:
+        """Scale from per-group min <= 0 <= max, before the zero-scale guard and the storage rounding.
+        half: the dtype each intermediate is rounded to (see quotient_dtype), None for float32."""
         raise NotImplementedError
 
-    def zero_point(self, xmin: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor | None:
+    def zero_point(self, xmin: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme,
+                   half: torch.dtype | None = None) -> torch.Tensor | None:
         return None
 
     def quantize_grouped(self, wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                         scheme: QuantScheme) -> torch.Tensor:
-        """q for w viewed [*, n_groups, group] with scale/zero [*, n_groups, 1] (values of the grid, any float dtype)."""
+                         scheme: QuantScheme, half: torch.dtype | None = None) -> torch.Tensor:
+        """q for w viewed [*, n_groups, group] with scale/zero [*, n_groups, 1] (values of the grid, any float dtype);
+        half: as in raw_scale."""
         raise NotImplementedError
+
+    def quotient_dtype(self, model_dtype: torch.dtype | None) -> torch.dtype | None:
+        """The dtype in which the weight's quantization arithmetic (w / scale, zero point, asymmetric range) is
+        rounded for a model stored in model_dtype, as the reference quantizer computes it; None: float32."""
+        return None
 
     def max_value(self, scheme: QuantScheme) -> float:
         """The largest magnitude of the grid, in units of the scale (activation scale = amax / max_value)."""
@@ -91,7 +100,15 @@ class GroupedFormat(Format):
         """Scale (and zero point) from per-group min/max; scales rounded to their storage dtype first."""
         xmin = torch.minimum(xmin, torch.zeros_like(xmin))
         xmax = torch.maximum(xmax, torch.zeros_like(xmax))
-        scale = self.raw_scale(xmin, xmax, scheme)
+        half = self.quotient_dtype(scale_dtype)
+        scale = self.raw_scale(xmin, xmax, scheme, half)
+        if half is not None:
+            # compressed-tensors' guard, so all-zero groups get its scale too: a zero scale becomes the dtype's eps
+            scale = scale.to(half).float()
+            zero = self.zero_point(xmin, scale, scheme, half)  # before the guard: an all-zero group's is 0/0,
+            if zero is not None:                               # which compressed-tensors casts to 0
+                zero = torch.nan_to_num(zero, nan=0.0)
+            return torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(half).eps)), zero
         # an all-zero group quantizes to zeros with any scale; 1.0 keeps every scale finite and positive
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         if scale_dtype is not None:
@@ -101,13 +118,14 @@ class GroupedFormat(Format):
 
     def _mse_shrink(self, wg, xmin, xmax, scheme, scale_dtype, grid: int = 80, max_shrink: float = 0.8, norm: float = 2.4):
         """MSE-grid observer: per group, the shrink of [min, max] that minimises |Q(w) - w|^norm."""
+        half = self.quotient_dtype(scale_dtype)
         best_err = torch.full(xmin.shape, float("inf"), device=wg.device)
         best_min, best_max = xmin.clone(), xmax.clone()
         for i in range(int(max_shrink * grid)):
             p = 1 - i / grid
             smin, smax = p * xmin, p * xmax
             scale, zero = self.scale_zero(smin, smax, scheme, scale_dtype)
-            err = (dequantize_grouped(self.quantize_grouped(wg, scale, zero, scheme), scale, zero) - wg).abs().pow(norm).sum(-1, keepdim=True)
+            err = (dequantize_grouped(self.quantize_grouped(wg, scale, zero, scheme, half), scale, zero) - wg).abs().pow(norm).sum(-1, keepdim=True)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_min = torch.where(better, smin, best_min)
@@ -128,11 +146,13 @@ class GroupedFormat(Format):
         scale, zero = self.grouped_qparams(w, scheme, self.scale_dtype(scheme, model_dtype))
         return QParams(scale, zero)
 
-    def quantize(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme) -> torch.Tensor:
+    def quantize(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme,
+                 model_dtype: torch.dtype | None = None) -> torch.Tensor:
         wg = grouped(w.float(), scheme)
         zero = qp.zero_point
         q = self.quantize_grouped(wg, regroup(qp.scale, w.shape, scheme),
-                                  None if zero is None else regroup(zero, w.shape, scheme), scheme)
+                                  None if zero is None else regroup(zero, w.shape, scheme), scheme,
+                                  self.quotient_dtype(model_dtype))
         return q.reshape(w.shape).to(self.storage_dtype(scheme))
 
     def dequantize(self, values: torch.Tensor, qp: QParams, scheme: QuantScheme,
@@ -148,9 +168,11 @@ class GroupedFormat(Format):
                                None if zero is None else regroup(zero.float(), values.shape, scheme))
         return w.reshape(values.shape)
 
-    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None):
+    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None, model_dtype: torch.dtype | None = None):
+        half = self.quotient_dtype(model_dtype)
+
         def quantize_column(w, s, z):
-            q = self.quantize_grouped(w, s, z, scheme)
+            q = self.quantize_grouped(w, s, z, scheme, half)
             return q, dequantize_grouped(q, s, z)
 
         return quantize_column

@@ -8,6 +8,13 @@ Conventions (shared by every writer, so one QTensor serves all targets):
   signed range (compressed-tensors' convention; legacy packers shift to unsigned);
 - scales are rounded to the model dtype before the values are computed, so the scale on disk is exactly the one that
   produced them. Values are stored unpacked as int8 [out, in].
+- for a bf16 / fp16 model every step is rounded to the model dtype as compressed-tensors computes it on the weight
+  tensor itself (its quantize(), which llm-compressor's checkpoints go through): the quotient w / scale, the
+  quotient plus the zero point, the asymmetric range max - min and min / scale. The rounding of the quotient
+  decides codes near a half step (a group's negative extreme, quotient -7.49 in float32, is -7.5 in bf16 and
+  rounds to -8), so the codes are compressed-tensors' bit for bit. Ties round to even after the zero point is
+  added, as there. GPTQ's column quantizer keeps float32 quotients: llm-compressor's GPTQ divides its float32
+  working weights, not the bf16 tensor.
 
 Every target decodes exactly (q - zero) * scale for any q of the full grid (docs/grids.md): vLLM's
 compressed-tensors kernels (int8, and uint4b8/uint8b128 = q + 2^(b-1) for packed weights), the legacy GPTQ
@@ -27,6 +34,14 @@ from qtk.quant.formats.base import register_format
 from qtk.quant.formats.grouped import STRATEGIES, GroupedFormat
 from qtk.quant.scheme import INT_BITS, QuantScheme
 
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _rounded(t: torch.Tensor, half: torch.dtype | None) -> torch.Tensor:
+    """t rounded to `half` and back to float32: the result of the same op on half-precision tensors (which
+    compute in float32 and round once); t itself when half is None."""
+    return t if half is None else t.to(half).float()
+
 
 @register_format
 class IntFormat(GroupedFormat):
@@ -44,30 +59,38 @@ class IntFormat(GroupedFormat):
     def scale_dtype(self, scheme: QuantScheme, model_dtype: torch.dtype) -> torch.dtype | None:
         return model_dtype
 
-    def raw_scale(self, xmin, xmax, scheme):
+    def quotient_dtype(self, model_dtype):
+        return model_dtype if model_dtype in HALF else None
+
+    def raw_scale(self, xmin, xmax, scheme, half=None):
         if scheme.symmetric:
             return torch.maximum(xmax, -xmin) / ((scheme.qmax - scheme.qmin) / 2)  # full grid: amax/7.5, amax/127.5
-        return (xmax - xmin) / (scheme.qmax - scheme.qmin)
+        return _rounded(xmax - xmin, half) / (scheme.qmax - scheme.qmin)
 
-    def zero_point(self, xmin, scale, scheme):
+    def zero_point(self, xmin, scale, scheme, half=None):
         if scheme.symmetric:
             return None
-        return torch.round(scheme.qmin - xmin / scale).clamp(scheme.qmin, scheme.qmax)
+        return torch.round(_rounded(scheme.qmin - _rounded(xmin / scale, half), half)).clamp(scheme.qmin, scheme.qmax)
 
-    def quantize_grouped(self, wg, scale, zero, scheme):
-        q = torch.round(wg / scale)
+    def quantize_grouped(self, wg, scale, zero, scheme, half=None):
+        q = _rounded(wg / scale, half)
         if zero is not None:
-            q = q + zero
-        return q.clamp(scheme.qmin, scheme.qmax)
+            q = _rounded(q + zero, half)
+        return q.round().clamp(scheme.qmin, scheme.qmax)
 
-    def column_quantizer(self, scheme: QuantScheme, qp=None):
+    def column_quantizer(self, scheme: QuantScheme, qp=None, model_dtype=None):
         qmin, qmax = scheme.qmin, scheme.qmax
+        half = self.quotient_dtype(model_dtype)
 
-        def quantize_column(w, s, z):  # quantize_grouped / dequantize_grouped on one column: the same float ops, in place
-            q = torch.div(w, s).round_()
+        def quantize_column(w, s, z):  # quantize_grouped / dequantize_grouped on one column: the same float ops
+            q = torch.div(w, s)
+            if half is not None:
+                q = _rounded(q, half)
             if z is not None:
                 q.add_(z)
-            q.clamp_(qmin, qmax)
+                if half is not None:
+                    q = _rounded(q, half)
+            q.round_().clamp_(qmin, qmax)
             return q, (q if z is None else q - z).mul(s)
 
         return quantize_column
