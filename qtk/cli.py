@@ -19,7 +19,7 @@ from qtk.export import TARGETS
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
-def _size(text: str) -> int:
+def _size(text: str, flag: str = "--max-shard-size") -> int:
     t = text.strip().upper()
     for unit in sorted(SIZE_UNITS, key=len, reverse=True):
         if t.endswith(unit):
@@ -30,7 +30,7 @@ def _size(text: str) -> int:
     try:
         return int(t)
     except ValueError:
-        raise click.BadParameter(f"'{text}' is not a size", param_hint="--max-shard-size (e.g. 5GB, 500MB)") from None
+        raise click.BadParameter(f"'{text}' is not a size", param_hint=f"{flag} (e.g. 5GB, 500MB)") from None
 
 
 # calibration options default to the recipe's own values, which differ between recipes
@@ -158,7 +158,7 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
                           num_samples=num_samples, seq_len=seq_len, seed=seed, overwrite=overwrite, tp=tp, pp=pp,
                           max_shard_bytes=_size(max_shard_size), batch_size=batch_size, allow_pickle=allow_pickle,
                           trust_remote_code=trust_remote_code, hash_source=not no_hash, resume=resume,
-                          device=device, max_device_memory=None if max_device_memory is None else _size(max_device_memory),
+                          device=device, max_device_memory=None if max_device_memory is None else _size(max_device_memory, "--max-device-memory"),
                           on_stage=rep.stage, on_layer=on_layer)
     if quiet:
         return

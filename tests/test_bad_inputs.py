@@ -78,6 +78,9 @@ CATALOGUE = {
     "tp-zero": "--tp 0",
     "shard-size-bad": "--max-shard-size that is not a size",
     "option-not-int": "--seq-len that is not a number",
+    "device-bad": "--device that names no device (gpu)",
+    "device-no-gpu": "--device cuda where torch sees no GPU",
+    "device-memory-bad": "--max-device-memory that is not a size",
     # recipe files (the recipe's contents: tests/test_recipe.py)
     "recipe-invalid-yaml": "recipe that is not valid YAML",
     "recipe-empty": "empty recipe file",
@@ -418,6 +421,17 @@ def test_calibration_split_and_chat(tmp_path, tiny_llama):
 ])
 def test_bad_option(tmp_path, tiny_llama, calib_file, case, recipe, args, needles):
     code, out = convert(tmp_path, tiny_llama, "--calib", calib_file, *args, recipe=recipe)
+    expect(case, code, out, tmp_path, *needles)
+
+
+@pytest.mark.parametrize("case,args,needles", [
+    ("device-bad", ("--device", "gpu"), ("--device 'gpu' is not a device", "use auto, cpu, cuda or cuda:N")),
+    pytest.param("device-no-gpu", ("--device", "cuda"), ("--device cuda asks for a GPU but torch sees none", "--device cpu"),
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
+    ("device-memory-bad", ("--max-device-memory", "most"), ("'most' is not a size", "--max-device-memory")),
+])
+def test_bad_device_option(tmp_path, tiny_llama, case, args, needles):
+    code, out = convert(tmp_path, tiny_llama, *args)
     expect(case, code, out, tmp_path, *needles)
 
 

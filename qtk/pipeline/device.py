@@ -39,8 +39,8 @@ def parse_device(spec: str | torch.device | None) -> torch.device:
     if kind != "cuda" or (index and not index.isdigit()):
         raise UsageError(f"--device {spec!r} is not a device", "use auto, cpu, cuda or cuda:N (e.g. cuda:0)")
     if not torch.cuda.is_available():
-        raise UsageError(f"--device {spec} asks for a GPU but torch sees none (torch {torch.__version__}, "
-                         f"CUDA build: {torch.version.cuda or 'no'})", DEVICE_FIX)
+        why = "no GPU is visible to this process" if torch.version.cuda else "this torch is a CPU-only build"
+        raise UsageError(f"--device {spec} asks for a GPU but torch sees none ({why})", DEVICE_FIX)
     n = torch.cuda.device_count()
     i = int(index) if index else local_rank() % n
     if i >= n:
