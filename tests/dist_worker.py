@@ -61,7 +61,8 @@ def main(spec_path: str) -> None:
         faults.fault_point = point
         outcome = {"ok": True}
         try:
-            api.convert(job["model"], job["recipe"], job["out"], hash_source=False, **job["options"])
+            res = api.convert(job["model"], job["recipe"], job["out"], hash_source=False, **job["options"])
+            outcome["messages"] = res.messages
         except Exception as e:  # noqa: BLE001 (the test judges the outcome)
             outcome = {"ok": False, "type": type(e).__name__, "error": str(e)}
         (results / f"{job['name']}.rank{rank}.json").write_text(json.dumps(outcome))

@@ -201,7 +201,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     completed = resume.completed if resume is not None else 0
     start = min(int(reducer.broadcast_object(completed)), n)  # the writing process's resume state decides
     keep_hidden = bool(reducer.broadcast_object(resume is not None))
-    for i in range(start):  # replay finished layers into fresh writers
+    for i in range(start if resume is not None else 0):  # replay finished layers into fresh writers (rank 0's)
         r = resume.load_layer(i)
         for s in sinks:
             s.add_layer(r)
