@@ -171,6 +171,7 @@ class ConvertJob:
 
     def quantize(self, ids):
         from qtk.pipeline import run
+        from qtk.pipeline.stream import run_data_free, streams
 
         if self.options.hash_source and self.writes:
             self.stage("hashing source")
@@ -187,9 +188,18 @@ class ConvertJob:
             if self.on_layer:
                 self.on_layer(done, total, layer)
 
-        stats = run(self.source, self.recipe, ids, self.writers, batch_size=o.batch_size, on_layer=on_layer,
-                    resume=self.state, device=self.device, reducer=self.reducer,
-                    max_device_memory=o.max_device_memory, overlap=o.overlap)
+        if streams(self.recipe, ids):  # nothing to calibrate: tensors stream layer by layer, no modules (one process
+            # does it all: the others of a torchrun have nothing to share)
+            stats = run_data_free(self.source, self.recipe, self.writers, on_layer=on_layer, resume=self.state,
+                                  device=self.device, overlap=o.overlap) if self.writes else None
+        else:
+            stats = run(self.source, self.recipe, ids, self.writers, batch_size=o.batch_size, on_layer=on_layer,
+                        resume=self.state, device=self.device, reducer=self.reducer,
+                        max_device_memory=o.max_device_memory, overlap=o.overlap)
+        if stats is None:
+            from qtk.pipeline import PipelineStats
+
+            stats = PipelineStats()
         self.timings.update(stats.timings)
         return stats
 
