@@ -27,7 +27,8 @@ def streams(recipe: Recipe, calib_ids) -> bool:
     """Whether `recipe` converts without calibration through this path: round-to-nearest alone, nothing observed."""
     if calib_ids is not None or recipe.kv_cache is not None:
         return False
-    return [step.name for step, _ in runnable_steps(plan_steps(recipe), None)] == ["rtn"]
+    plan = plan_steps(recipe)
+    return not any(step.needs_data for step, _ in plan) and [step.name for step, _ in runnable_steps(plan, None)] == ["rtn"]
 
 
 def _finite(name: str, t: torch.Tensor) -> None:
