@@ -583,6 +583,16 @@ def slow_layer(self, skeleton, i, *a, **kw):  # layer 0 is done; wait in layer 1
     return layer(self, skeleton, i, *a, **kw)
 
 ModelSource.layer = slow_layer
+import qtk.pipeline.stream as stream  # data-free recipes read layer tensors without ModelSource.layer
+read = stream._LayerReader._read
+
+def slow_read(self, i):
+    if i == 1:
+        print("quantizing layer 1", flush=True)
+        time.sleep(120)
+    return read(self, i)
+
+stream._LayerReader._read = slow_read
 from qtk.cli import main
 main(sys.argv[1:], prog_name="qtk")
 """

@@ -5,6 +5,7 @@ algorithm: the steps registry (qtk.steps) says what runs, in which phase."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -264,6 +265,22 @@ def _scatter_hidden(hidden: list[torch.Tensor] | None, count: int, reducer: Redu
     return reducer.scatter_objects(parts)
 
 
+def background(fn, *args, name: str = "qtk-prefetch") -> Future:
+    """fn(*args) in a daemon thread: a read ahead that a failure or Ctrl-C abandons is never waited for (an executor's
+    threads are joined at exit; a stalled read would hold the process)."""
+    f: Future = Future()
+
+    def target():
+        if f.set_running_or_notify_cancel():
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 (raised where the result is asked for)
+                f.set_exception(e)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return f
+
+
 class LayerPrefetch:
     """Decoder layer i+1 read from disk (and copied to the device) in a background thread while layer i computes.
     Holds at most one layer ahead; an error reading it (a NaN, a truncated shard) is raised when it is asked for."""
@@ -271,7 +288,7 @@ class LayerPrefetch:
     def __init__(self, source, skeleton, device, enabled: bool = True):
         self.source, self.skeleton, self.device = source, skeleton, device
         self.dtype = compute_dtype(source)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="qtk-prefetch") if enabled else None
+        self.enabled = enabled
         self.ahead: tuple[int, Future] | None = None
 
     def _load(self, i: int):
@@ -283,19 +300,15 @@ class LayerPrefetch:
         else:
             layer = self._load(i)
         self.ahead = None
-        if self.pool is not None and i + 1 < n:
-            self.ahead = (i + 1, self.pool.submit(self._load, i + 1))
+        if self.enabled and i + 1 < n:
+            self.ahead = (i + 1, background(self._load, i + 1))
         return layer
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        if self.pool is not None:
-            if self.ahead is not None:
-                self.ahead[1].cancel()
-            self.pool.shutdown(wait=True)
-            self.ahead = None
+        self.ahead = None  # after a failure a read in flight is abandoned (its thread is a daemon)
 
 
 class WriteBehind:

@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.model.simulate import engine_weight
 from qtk.pipeline.device import compute_dtype, resolve_device
-from qtk.pipeline.loop import WriteBehind, relative_error, runnable_steps
+from qtk.pipeline.loop import WriteBehind, background, relative_error, runnable_steps
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.pipeline.targets import check_group_size, target_linears
 from qtk.recipe import Recipe
@@ -41,11 +41,9 @@ class _LayerReader:
     """Layer i+1's tensors read (and moved to the device, in the compute dtype) in a background thread."""
 
     def __init__(self, source, skeleton, device, enabled: bool):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.source, self.device, self.dtype = source, device, compute_dtype(source)
         self.layers = skeleton.get_submodule(source.arch.layers)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="qtk-read") if enabled else None
+        self.enabled = enabled
         self.ahead = None
 
     def _read(self, i: int) -> dict[str, torch.Tensor]:
@@ -65,15 +63,12 @@ class _LayerReader:
     def get(self, i: int, n: int) -> dict[str, torch.Tensor]:
         tensors = self.ahead[1].result() if self.ahead is not None and self.ahead[0] == i else self._read(i)
         self.ahead = None
-        if self.pool is not None and i + 1 < n:
-            self.ahead = (i + 1, self.pool.submit(self._read, i + 1))
+        if self.enabled and i + 1 < n:
+            self.ahead = (i + 1, background(self._read, i + 1, name="qtk-read"))
         return tensors
 
     def close(self) -> None:
-        if self.pool is not None:
-            if self.ahead is not None:
-                self.ahead[1].cancel()
-            self.pool.shutdown(wait=True)
+        self.ahead = None  # a read in flight after a failure is abandoned (a daemon thread)
 
 
 def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str]) -> LayerResult:
