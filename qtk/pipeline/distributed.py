@@ -101,9 +101,11 @@ class DistReducer(Reducer):
         self.dist.barrier()
 
 
-def init_process_group(device: torch.device, timeout_s: float = 1800) -> DistReducer:
+def init_process_group(device: torch.device, timeout_s: float = 6 * 3600) -> DistReducer:
     """Join the processes torchrun started (env:// rendezvous: MASTER_ADDR/PORT, RANK, WORLD_SIZE): NCCL when this
-    process computes on a GPU, else gloo. Idempotent."""
+    process computes on a GPU, else gloo. Idempotent. The timeout is long because the other ranks wait in one
+    collective while rank 0 writes and self-checks the outputs (hours for the largest models); a rank that dies
+    breaks the collectives at once, whatever the timeout."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
