@@ -13,8 +13,11 @@ llm-compressor in its own directory because it pins its own compressed-tensors),
     PYTHONPATH=/tmp/site python3 benchmarks/convert_gpu.py --llmc-site /tmp/llmc --json $OUT/convert_gpu.json
 
 (about 8 minutes: building the 5.6 GB model ~1 min, qtk 2 recipes, llm-compressor 2 recipes; --skip-llmc halves it).
-The wheels: `pip download --no-deps` of qtk's requirements (pyproject.toml, less torch and transformers) into
-.whl/qtk and of llmcompressor with its own compressed-tensors, accelerate, datasets and their needs into .whl/llmc.
+qtk itself runs from this checkout (the child processes put the repository first on PYTHONPATH). The wheels,
+fetched in advance with `pip download --no-deps` (see the device notes for the platform flags) into the git-ignored
+.whl/: .whl/qtk holds qtk's requirements that the machine lacks (compressed-tensors 0.20.x, safetensors, click,
+rich, pyyaml; torch and transformers are the machine's); .whl/llmc holds llmcompressor with the compressed-tensors
+it pins, accelerate, datasets and their needs (its directory comes first on PYTHONPATH in its process only).
 
 On the CPU its logic runs on a tiny shape (tests/test_benchmarks_gpu.py):
 
