@@ -1,6 +1,7 @@
 """FP8 conversion time divided by the time to read the source and write the output once (goal <= 1.5).
 
     python benchmarks/convert_io.py [--repeats 3]
+    python benchmarks/convert_io.py --recipes fp8-dynamic w8a16 w4a16   # every data-free recipe (issue 13)
 
 The I/O floor is measured on the same files: every source tensor read into memory (safetensors),
 then the converted checkpoint's tensors written once with safetensors and fsync'd. Page cache is
@@ -47,6 +48,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--recipes", nargs="+", default=None,
+                    help="data-free recipes to time with --no-hash (default: fp8-dynamic with and without hashing, and fp8)")
     a = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as td:
@@ -55,8 +58,10 @@ def main():
         m = make_tiny_model(td / "m", layers=a.layers, hidden=a.hidden, intermediate=a.intermediate, heads=16, kv_heads=4)
         size = dir_bytes(m)
         print(f"model: {a.layers} layers, hidden {a.hidden}: {size / 1e6:.0f} MB bf16", flush=True)
-        for recipe, extra in (("fp8-dynamic", []), ("fp8-dynamic", ["--no-hash"]),
-                              ("fp8", ["--num-samples", "8", "--seq-len", "64", "--calib", str(calib)])):
+        runs = [(r, ["--no-hash"]) for r in a.recipes] if a.recipes else [
+            ("fp8-dynamic", []), ("fp8-dynamic", ["--no-hash"]),
+            ("fp8", ["--num-samples", "8", "--seq-len", "64", "--calib", str(calib)])]
+        for recipe, extra in runs:
             label = recipe + (" --no-hash" if "--no-hash" in extra else "")
             conv, floors, walls = [], [], []
             for r in range(a.repeats):

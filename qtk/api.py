@@ -37,6 +37,8 @@ def convert(
     trust_remote_code: bool = False,
     hash_source: bool = True,
     resume: bool = False,
+    device: str | None = "cpu",
+    max_device_memory: int | None = None,
     on_stage: Callable[[str], None] | None = None,
     on_layer: Callable[[int, int, LayerDone], None] | None = None,
 ) -> ConvertResult:
@@ -50,6 +52,12 @@ def convert(
     on_stage(text) names each stage; on_layer(done, total, qtk.pipeline.LayerDone) follows each decoder layer
     with its statistics (relative weight error per Linear, GPTQ loss). Warnings go to the "qtk" logger.
     The steps are qtk.convert.ConvertJob's.
+
+    device: auto | cpu | cuda | cuda:N, where layers, calibration activations and solvers live (the API defaults to
+    the CPU, whose output is byte-identical to earlier releases; `qtk convert` defaults to auto). A GPU asked for
+    and not visible is refused up front (UsageError). max_device_memory: bytes of calibration activations kept on
+    the device; the rest wait in pinned host memory. Started by torchrun (WORLD_SIZE > 1), every process calls
+    this with the same arguments: each calibrates on its share of the windows and rank 0 alone writes.
     """
     from qtk.convert import ConvertJob, ConvertOptions
 
@@ -57,7 +65,8 @@ def convert(
     options = ConvertOptions(targets=targets, calib=calib, calib_ids=calib_ids, text_field=text_field, split=split,
                              num_samples=num_samples, seq_len=seq_len, seed=seed, overwrite=overwrite, tp=tp, pp=pp,
                              max_shard_bytes=max_shard_bytes, batch_size=batch_size, allow_pickle=allow_pickle,
-                             trust_remote_code=trust_remote_code, hash_source=hash_source, resume=resume)
+                             trust_remote_code=trust_remote_code, hash_source=hash_source, resume=resume,
+                             device=device, max_device_memory=max_device_memory)
     return ConvertJob(model, r, out, options, on_stage=on_stage, on_layer=on_layer).run()
 
 

@@ -19,7 +19,7 @@ from qtk.export import TARGETS
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
-def _size(text: str) -> int:
+def _size(text: str, flag: str = "--max-shard-size") -> int:
     t = text.strip().upper()
     for unit in sorted(SIZE_UNITS, key=len, reverse=True):
         if t.endswith(unit):
@@ -30,7 +30,7 @@ def _size(text: str) -> int:
     try:
         return int(t)
     except ValueError:
-        raise click.BadParameter(f"'{text}' is not a size", param_hint="--max-shard-size (e.g. 5GB, 500MB)") from None
+        raise click.BadParameter(f"'{text}' is not a size", param_hint=f"{flag} (e.g. 5GB, 500MB)") from None
 
 
 # calibration options default to the recipe's own values, which differ between recipes
@@ -70,11 +70,28 @@ class QtkGroup(click.Group):
             click.echo(f"error: {e.format_message()} — see '{where} --help'", err=True)
             sys.exit(e.exit_code)
         except QtkError as e:
-            click.echo(f"error: {e}", err=True)
+            if _reports(e):
+                click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
-            click.echo("interrupted: no output was left behind", err=True)
+            if _reports(None):
+                click.echo("interrupted: no output was left behind", err=True)
             sys.exit(130)
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 in one process)."""
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _reports(e) -> bool:
+    """Under torchrun one process speaks for the run: rank 0 (which reports another rank's failure as that rank's own
+    line), or rank 1 when rank 0 vanished without a word. Every process still exits with the error's code."""
+    if _rank() == 0:
+        return True
+    from qtk.pipeline.distributed import PeerFailed
+
+    return _rank() == 1 and isinstance(e, PeerFailed) and e.origin is None
 
 
 @click.group(cls=QtkGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -114,8 +131,13 @@ def main():
 @click.option("--resume", is_flag=True, help="Save per-layer state in OUT/.qtk-resume and continue an interrupted run of the same command from its last finished layer.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for calibration and the --gate run [torch's default: one per core]; fewer can be faster on a busy machine.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where layers, calibration activations and solvers live: auto (a GPU when one is visible, else the CPU), cpu, cuda, cuda:N. Under torchrun each process takes its LOCAL_RANK's GPU.")
+@click.option("--max-device-memory", default=None,
+              help="Most calibration activations kept on the GPU (e.g. 20GB); the rest wait in pinned host memory [default: free memory less one layer's working set].")
 def convert(model, recipe, out, targets, calib, split, text_field, num_samples, seq_len, seed, overwrite, tp, pp,
-            max_shard_size, batch_size, allow_pickle, trust_remote_code, no_hash, gate, resume, threads):
+            max_shard_size, batch_size, allow_pickle, trust_remote_code, no_hash, gate, resume, threads, device,
+            max_device_memory):
     """Quantize MODEL (a local Hugging Face directory) with a recipe into engine-ready checkpoints."""
     if threads is not None:
         import torch
@@ -124,7 +146,8 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
     from qtk import api
     from qtk.progress import Reporter, layer_detail
 
-    with Reporter("qtk convert", unit="layer") as rep:
+    quiet = _rank() != 0  # under torchrun rank 0 reports progress and results for every process
+    with Reporter("qtk convert", unit="layer", stream=open(os.devnull, "w") if quiet else None) as rep:
         if rep.interactive:  # a bar from the start; a log's first line comes with the first real work
             rep.stage("reading the model")
 
@@ -135,7 +158,10 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
                           num_samples=num_samples, seq_len=seq_len, seed=seed, overwrite=overwrite, tp=tp, pp=pp,
                           max_shard_bytes=_size(max_shard_size), batch_size=batch_size, allow_pickle=allow_pickle,
                           trust_remote_code=trust_remote_code, hash_source=not no_hash, resume=resume,
+                          device=device, max_device_memory=None if max_device_memory is None else _size(max_device_memory, "--max-device-memory"),
                           on_stage=rep.stage, on_layer=on_layer)
+    if quiet:
+        return
     for m in res.messages:
         click.echo(m, err=True)
     for t, path in res.outputs.items():

@@ -78,6 +78,9 @@ CATALOGUE = {
     "tp-zero": "--tp 0",
     "shard-size-bad": "--max-shard-size that is not a size",
     "option-not-int": "--seq-len that is not a number",
+    "device-bad": "--device that names no device (gpu)",
+    "device-no-gpu": "--device cuda where torch sees no GPU",
+    "device-memory-bad": "--max-device-memory that is not a size",
     # recipe files (the recipe's contents: tests/test_recipe.py)
     "recipe-invalid-yaml": "recipe that is not valid YAML",
     "recipe-empty": "empty recipe file",
@@ -430,6 +433,17 @@ def test_bad_option(tmp_path, tiny_llama, calib_file, case, recipe, args, needle
     expect(case, code, out, tmp_path, *needles)
 
 
+@pytest.mark.parametrize("case,args,needles", [
+    ("device-bad", ("--device", "gpu"), ("--device 'gpu' is not a device", "use auto, cpu, cuda or cuda:N")),
+    pytest.param("device-no-gpu", ("--device", "cuda"), ("--device cuda asks for a GPU but torch sees none", "--device cpu"),
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
+    ("device-memory-bad", ("--max-device-memory", "most"), ("'most' is not a size", "--max-device-memory")),
+])
+def test_bad_device_option(tmp_path, tiny_llama, case, args, needles):
+    code, out = convert(tmp_path, tiny_llama, *args)
+    expect(case, code, out, tmp_path, *needles)
+
+
 # ---- recipe files ----
 
 
@@ -578,6 +592,16 @@ def slow_layer(self, skeleton, i, *a, **kw):  # layer 0 is done; wait in layer 1
     return layer(self, skeleton, i, *a, **kw)
 
 ModelSource.layer = slow_layer
+import qtk.pipeline.stream as stream  # data-free recipes read layer tensors without ModelSource.layer
+read = stream._LayerReader._read
+
+def slow_read(self, i):
+    if i == 1:
+        print("quantizing layer 1", flush=True)
+        time.sleep(120)
+    return read(self, i)
+
+stream._LayerReader._read = slow_read
 from qtk.cli import main
 main(sys.argv[1:], prog_name="qtk")
 """

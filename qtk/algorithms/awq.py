@@ -57,7 +57,7 @@ def _w_mean(weights: list[torch.Tensor], schemes: Sequence[QuantScheme]) -> torc
 
 def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], scheme: QuantScheme | Sequence[QuantScheme],
                       params: AWQParams, dtype: torch.dtype | None = None,
-                      combine: Combine | None = None) -> tuple[torch.Tensor, dict]:
+                      combine: Combine | None = None, x_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Scales s [in] for the Linears `weights` (each [out_i, in], quantized with `scheme`, or one scheme per weight)
     that share the input x [tokens, in].
 
@@ -68,6 +68,8 @@ def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], scheme: Quan
     is kept unless a candidate is strictly better, so the error never exceeds plain RTN's.
     dtype: the model dtype (scales rounded to it when quantizing; default the weights' dtype). combine: merges the
     candidates' losses with those other processes measured on their tokens before the choice (see Combine).
+    x_mean: the per-channel mean |x| the candidates are built from (default: x's own; several processes pass the mean
+    over all their tokens).
 
     info: ratio (chosen r, None when s = 1 won), loss, loss_identity (the error with s = 1), losses (per r).
     """
@@ -80,7 +82,8 @@ def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], scheme: Quan
         if W.shape[1] != in_f:
             raise ValueError(f"awq_search_scales: a weight has {W.shape[1]} input features, x has {in_f}")
     x = x.reshape(-1, in_f).float()  # x [tokens, in]
-    x_mean = x.abs().mean(0)  # [in]
+    if x_mean is None:  # given: the mean over every process's tokens, so all processes search the same candidates
+        x_mean = x.abs().mean(0)  # [in]
     w_mean = _w_mean(weights, schemes).to(x.device)  # [in]
     xs = _tokens(x, params.n_sample_tokens)  # [n, in]
     ref = xs @ torch.cat([W.float() for W in weights], dim=0).t()  # [n, sum out]

@@ -62,22 +62,78 @@ class ConvertJob:
 
     def run(self) -> ConvertResult:
         self.prepare()
-        self.output.open()  # OUT created and locked for the run; what killed runs left there is swept
+        self.join()
         try:
-            ids, calib_info = calibration.calibration_ids(self.source, self.recipe, self.options, self.stage, self.timings)
-            self.open_writers(calib_info)
-            stats = self.quantize(ids)
-            m = self.finish(calib_info, stats)
-            self.self_check()
-            self.commit(m)
-        except BaseException as e:
-            self.output.rollback()
-            err = self.failure(e)
-            if err is e:
-                raise
-            raise err from None
+            if self.writes:
+                self.output.open()  # OUT created and locked for the run; what killed runs left there is swept
+            try:
+                ids, calib_info = calibration.calibration_ids(self.source, self.recipe, self.options, self.stage, self.timings)
+                ids = self.share(ids)
+                self.open_writers(calib_info)
+                stats = self.quantize(ids)
+                m = None
+                if self.writes:
+                    m = self.finish(calib_info, stats)
+                    self.self_check()
+                    self.commit(m)
+                m = self.reducer.broadcast_object(m)  # every process ends when the output is in place, with its manifest
+            except BaseException as e:
+                if self.writes:
+                    self.output.rollback()
+                err = self.failure(e)
+                if self.reducer.world_size > 1:
+                    err = self.distributed_failure(err)
+                if err is e:
+                    raise
+                raise err from None
+        finally:
+            if self.owns_group:
+                from qtk.pipeline.distributed import destroy
+
+                destroy()
         return ConvertResult(outputs=self.finals, notes={w.target: w.notes for w in self.writers}, timings=self.timings,
                              manifest=m, messages=self.messages)
+
+    # ---- several processes (torchrun)
+
+    def join(self) -> None:
+        """The device of this process and, under torchrun (WORLD_SIZE > 1), the process group: rank 0 writes, every
+        rank calibrates on its share of the windows. One process: the LOCAL reducer, nothing joined."""
+        from qtk.pipeline.device import parse_device
+        from qtk.pipeline.distributed import env_world_size, init_process_group
+        from qtk.steps import LOCAL
+
+        import torch.distributed as dist
+
+        self.device = parse_device(self.options.device)
+        # a group the caller joined (several conversions in one set of processes) is left to the caller
+        self.owns_group = env_world_size() > 1 and not (dist.is_available() and dist.is_initialized())
+        self.reducer = init_process_group(self.device) if env_world_size() > 1 else LOCAL
+        self.rank = self.reducer.rank
+        self.writes = self.rank == 0
+
+    def share(self, ids):
+        """This process's calibration windows (all of them in one process)."""
+        if ids is None or self.reducer.world_size == 1:
+            return ids
+        from qtk.errors import UsageError
+        from qtk.pipeline.distributed import split_windows
+
+        if ids.shape[0] < self.reducer.world_size:
+            raise UsageError(f"{ids.shape[0]} calibration windows cannot be shared by {self.reducer.world_size} "
+                             "processes", "use at least one window per process (--num-samples), or fewer processes")
+        return split_windows(ids, self.rank, self.reducer.world_size)
+
+    def distributed_failure(self, err: BaseException) -> BaseException:
+        """A collective broken by a peer that left becomes that peer's error (PeerFailed); this process's own failure
+        is recorded for the others before it leaves."""
+        from qtk.pipeline.distributed import PeerFailed, is_collective_error, peer_failure, record_failure
+
+        if is_collective_error(err):
+            return peer_failure(self.rank)
+        if not isinstance(err, PeerFailed):
+            record_failure(self.rank, "interrupted" if isinstance(err, KeyboardInterrupt) else _one_line(err))
+        return err
 
     # ---- the steps
 
@@ -105,16 +161,19 @@ class ConvertJob:
         from qtk.convert.resume import resume_state
 
         o = self.options
+        if not self.writes:  # only rank 0 writes outputs and resume state
+            return
         if o.resume:
             self.state = resume_state(self.source, self.recipe, self.out, calib_info, self.targets, self.export_options,
-                                      o.batch_size, self.stage, self.messages)
+                                      o.batch_size, self.stage, self.messages, world_size=self.reducer.world_size)
         self.writers = [self.writer_classes[t](self.output.tmps[t], self.source, self.recipe, self.export_options)
                         for t in self.targets]
 
     def quantize(self, ids):
         from qtk.pipeline import run
+        from qtk.pipeline.stream import run_data_free, streams
 
-        if self.options.hash_source:
+        if self.options.hash_source and self.writes:
             self.stage("hashing source")
             t0 = time.perf_counter()
             self.hashes = self.source.file_hashes()
@@ -122,8 +181,25 @@ class ConvertJob:
         else:
             self.hashes = {}
         self.stage("quantizing layers")
-        stats = run(self.source, self.recipe, ids, self.writers, batch_size=self.options.batch_size,
-                    on_layer=self.on_layer, resume=self.state)
+        o = self.options
+
+        def on_layer(done, total, layer):
+            faults.fault_point("quantize: a layer computed")  # a run may die between layers (tests; every rank)
+            if self.on_layer:
+                self.on_layer(done, total, layer)
+
+        if streams(self.recipe, ids):  # nothing to calibrate: tensors stream layer by layer, no modules (one process
+            # does it all: the others of a torchrun have nothing to share)
+            stats = run_data_free(self.source, self.recipe, self.writers, on_layer=on_layer, resume=self.state,
+                                  device=self.device, overlap=o.overlap) if self.writes else None
+        else:
+            stats = run(self.source, self.recipe, ids, self.writers, batch_size=o.batch_size, on_layer=on_layer,
+                        resume=self.state, device=self.device, reducer=self.reducer,
+                        max_device_memory=o.max_device_memory, overlap=o.overlap)
+        if stats is None:
+            from qtk.pipeline import PipelineStats
+
+            stats = PipelineStats()
         self.timings.update(stats.timings)
         return stats
 
@@ -176,3 +252,10 @@ class ConvertJob:
             return Interrupted(f"interrupted after {self.state.completed} of {self.source.num_layers} layers; partial "
                                f"state kept in {self.state.dir}", "rerun the same command with --resume to continue")
         return output.write_error(e, self.out, state_dir) or e
+
+
+def _one_line(e: BaseException) -> str:
+    """An error as the line `qtk` prints for it (problem — fix), for another process to report."""
+    if isinstance(e, QtkError):
+        return str(e)
+    return f"{type(e).__name__}: {e}".splitlines()[0]

@@ -32,6 +32,9 @@ class ConvertOptions:
     trust_remote_code: bool = False
     hash_source: bool = True
     resume: bool = False
+    device: str | None = "cpu"  # auto | cpu | cuda | cuda:N (qtk.pipeline.device.parse_device)
+    max_device_memory: int | None = None  # bytes of calibration activations kept on the device; the rest spill to host
+    overlap: bool = True  # read layer i+1 and write layer i in background threads while layer i computes
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(dict.fromkeys(self.targets or ["vllm"])))
@@ -41,6 +44,11 @@ class ConvertOptions:
                                         ("--batch-size", self.batch_size, 1, 8)):
             if v is not None and v < least:  # checked even when the recipe needs no calibration: a typo should not pass silently
                 raise UsageError(f"{flag} must be >= {least} (got {v})", f"use e.g. {flag} {example}")
+        if self.max_device_memory is not None and self.max_device_memory < 0:
+            raise UsageError(f"--max-device-memory must be >= 0 (got {self.max_device_memory} bytes)", "use e.g. --max-device-memory 20GB")
+        from qtk.pipeline.device import parse_device
+
+        parse_device(self.device)  # a GPU asked for where none is visible is refused before any file is opened
         if self.max_shard_bytes < 1:
             raise UsageError(f"--max-shard-size must be positive (got {self.max_shard_bytes} bytes)", "use e.g. --max-shard-size 5GB")
 

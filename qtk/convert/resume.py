@@ -211,13 +211,17 @@ def run_key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def resume_state(source, recipe, out: Path, calib_info: dict, targets, options, batch_size: int, stage, messages: list[str]):
-    """The resume state of this exact command in OUT (a different command's is removed, and that is logged)."""
+def resume_state(source, recipe, out: Path, calib_info: dict, targets, options, batch_size: int, stage, messages: list[str],
+                 world_size: int = 1):
+    """The resume state of this exact command in OUT (a different command's is removed, and that is logged).
+    world_size: the processes of the run; the state of a run with another number is another command's (the hidden
+    states are saved per process share)."""
     from qtk import __version__
 
     files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in source.files}
+    parts = {"world_size": world_size} if world_size > 1 else {}  # one process: the key earlier releases wrote
     key = run_key(recipe=recipe.text, source=str(source.path.resolve()), files=files, calibration=calib_info,
-                  targets=targets, options=options, batch_size=batch_size, version=__version__)
+                  targets=targets, options=options, batch_size=batch_size, version=__version__, **parts)
     state = ResumeState(out, key, source.num_layers)  # logs "stale resume state ignored" when it removes one
     if state.completed:
         stage(f"resuming after layer {state.completed}")

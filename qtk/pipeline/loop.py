@@ -5,7 +5,9 @@ algorithm: the steps registry (qtk.steps) says what runs, in which phase."""
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -14,7 +16,7 @@ from qtk.errors import UsageError
 from qtk.model.moe import moe_blocks, report_starved_experts
 from qtk.model.simulate import QLinear, engine_weight, set_kv_hook, use_qtk_attention
 from qtk.pipeline.capture import capture_layer_inputs
-from qtk.pipeline.device import compute_dtype, resolve_device
+from qtk.pipeline.device import Activations, activation_budget, compute_dtype, resolve_device
 from qtk.pipeline.memory import map_large_allocations, release_freed_memory
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.pipeline.targets import check_group_size, target_linears
@@ -31,8 +33,10 @@ def relative_error(w: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _forward_all(layer, batches):
+    """The layer's outputs for every batch, each kept where its input was (on the device, or spilled to the host)."""
+    keep = batches.keep if isinstance(batches, Activations) else (lambda j, y: y)
     with torch.no_grad():
-        return [(layer(h, **kw), kw) for h, kw in batches]
+        return [(keep(j, layer(h, **kw)), kw) for j, (h, kw) in enumerate(batches)]
 
 
 def runnable_steps(plan, batches) -> list:
@@ -163,13 +167,16 @@ def _propagate(ctx: LayerContext):
 
 def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, batch_size: int = 8,
         on_layer: Callable[[int, int, LayerDone], None] | None = None, resume=None, device=None,
-        reducer: Reducer = LOCAL) -> PipelineStats:
+        reducer: Reducer = LOCAL, max_device_memory: int | None = None, overlap: bool = True) -> PipelineStats:
     """Stream the model through the recipe into every sink (writer): dense tensors, then layer by layer.
 
     on_layer(done, total, LayerDone) after each layer. resume: a qtk.resume.ResumeState; completed layers
     are replayed from it and each new one saved to it. device: where layers, activations and statistics live (default
     the CPU); what the sinks receive is on the host. reducer: how statistics of several processes combine (LOCAL:
-    one process)."""
+    one process); with several, calib_ids are this process's windows, and only the process that writes passes sinks
+    and resume. max_device_memory: bytes of calibration activations kept on the device (the rest wait in pinned host
+    memory). overlap: load layer i+1 and write layer i in background threads while layer i computes (the same
+    bytes are written either way: each sink sees the layers in order, from one thread)."""
     device = resolve_device(device)
     stats = PipelineStats()
     check_group_size(source, recipe)
@@ -180,6 +187,8 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     if calib_ids is not None:
         use_qtk_attention(skeleton)
     for name in source.non_layer_tensor_names():
+        if not sinks:  # a process that writes nothing need not read them
+            break
         t = source.tensor(name)
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
@@ -190,35 +199,157 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     stats.timings["capture"] = time.perf_counter() - t0
 
     n = source.num_layers
-    start = 0
-    if resume is not None and resume.completed:
-        start = min(resume.completed, n)
-        for i in range(start):  # replay finished layers into fresh writers
-            r = resume.load_layer(i)
-            for s in sinks:
-                s.add_layer(r)
-            stats.record(r)
-            if on_layer:
-                on_layer(i + 1, n, LayerDone.of(r, replayed=True))
-        if batches is not None and start < n:
-            batches = [(h.to(device), kw) for h, (_, kw) in zip(resume.load_hidden(), batches)]
-    t_layers = time.perf_counter()
-    for i in range(start, n):
-        targets = target_linears(source, recipe, i)
-        layer = source.layer(skeleton, i, compute_dtype(source), device=device)
-        if batches is not None:
-            batches = [(h, kw) for (h, _), kw in zip(batches, layer_kwargs[i])]
-        result, batches = process_layer(source, recipe, i, layer, batches, targets, device=device, reducer=reducer)
-        del layer
+    completed = resume.completed if resume is not None else 0
+    start = min(int(reducer.broadcast_object(completed)), n)  # the writing process's resume state decides
+    keep_hidden = bool(reducer.broadcast_object(resume is not None))
+    for i in range(start if resume is not None else 0):  # replay finished layers into fresh writers (rank 0's)
+        r = resume.load_layer(i)
         for s in sinks:
-            s.add_layer(result)
-        stats.record(result)
-        release_freed_memory()
-        if resume is not None:
-            resume.save_layer(result, None if batches is None else [h for h, _ in batches])
-        done = LayerDone.of(result)
-        del result
+            s.add_layer(r)
+        stats.record(r)
         if on_layer:
-            on_layer(i + 1, n, done)
+            on_layer(i + 1, n, LayerDone.of(r, replayed=True))
+    if batches is not None and 0 < start < n:
+        hidden = resume.load_hidden() if resume is not None else None
+        batches = [(h.to(device), kw) for h, (_, kw) in zip(_scatter_hidden(hidden, len(batches), reducer), batches)]
+    t_layers = time.perf_counter()
+    with LayerPrefetch(source, skeleton, device, overlap) as prefetch, WriteBehind(sinks, resume, overlap) as writer:
+        for i in range(start, n):
+            targets = target_linears(source, recipe, i)
+            layer = prefetch.get(i, n)
+            if batches is not None:
+                budget = activation_budget(device, _module_bytes(layer), max_device_memory)
+                batches = Activations(list(zip([h for h, _ in batches], layer_kwargs[i])), device, budget)
+                stats.spilled_batches += batches.spilled
+            result, batches = process_layer(source, recipe, i, layer, batches, targets, device=device, reducer=reducer)
+            del layer
+            stats.record(result)
+            hidden = None
+            if keep_hidden and batches is not None:
+                hidden = _gather_hidden([h for h, _ in batches], reducer)
+            writer.put(result, hidden)
+            done = LayerDone.of(result)
+            del result, hidden
+            release_freed_memory()
+            if on_layer:
+                on_layer(i + 1, n, done)
     stats.timings["layers"] = time.perf_counter() - t_layers
     return stats
+
+
+def _module_bytes(m: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def _gather_hidden(hidden: list[torch.Tensor], reducer: Reducer) -> list[torch.Tensor] | None:
+    """Every process's next-layer inputs on the writing process (rank order), for its resume state; None elsewhere."""
+    host = [h.cpu() for h in hidden]
+    if reducer.world_size == 1:
+        return host
+    parts = reducer.gather_objects(host)
+    return None if parts is None else [h for part in parts for h in part]
+
+
+def _scatter_hidden(hidden: list[torch.Tensor] | None, count: int, reducer: Reducer) -> list[torch.Tensor]:
+    """This process's share (`count` batches) of the hidden states the writing process read from its resume state."""
+    if reducer.world_size == 1:
+        return hidden
+    counts = reducer.gather_objects(count)
+    parts = None
+    if counts is not None:
+        if len(hidden) != sum(counts):
+            raise UsageError("the resume state was written by a run with other calibration batches per process",
+                             "rerun with the same number of processes and --batch-size, or without --resume")
+        offsets = [sum(counts[:r]) for r in range(len(counts))]
+        parts = [hidden[o:o + c] for o, c in zip(offsets, counts)]
+    return reducer.scatter_objects(parts)
+
+
+def background(fn, *args, name: str = "qtk-prefetch") -> Future:
+    """fn(*args) in a daemon thread: a read ahead that a failure or Ctrl-C abandons is never waited for (an executor's
+    threads are joined at exit; a stalled read would hold the process)."""
+    f: Future = Future()
+
+    def target():
+        if f.set_running_or_notify_cancel():
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 (raised where the result is asked for)
+                f.set_exception(e)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return f
+
+
+class LayerPrefetch:
+    """Decoder layer i+1 read from disk (and copied to the device) in a background thread while layer i computes.
+    Holds at most one layer ahead; an error reading it (a NaN, a truncated shard) is raised when it is asked for."""
+
+    def __init__(self, source, skeleton, device, enabled: bool = True):
+        self.source, self.skeleton, self.device = source, skeleton, device
+        self.dtype = compute_dtype(source)
+        self.enabled = enabled
+        self.ahead: tuple[int, Future] | None = None
+
+    def _load(self, i: int):
+        return self.source.layer(self.skeleton, i, self.dtype, device=self.device)
+
+    def get(self, i: int, n: int) -> torch.nn.Module:
+        if self.ahead is not None and self.ahead[0] == i:
+            layer = self.ahead[1].result()
+        else:
+            layer = self._load(i)
+        self.ahead = None
+        if self.enabled and i + 1 < n:
+            self.ahead = (i + 1, background(self._load, i + 1))
+        return layer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.ahead = None  # after a failure a read in flight is abandoned (its thread is a daemon)
+
+
+class WriteBehind:
+    """Layer i handed to the sinks (and saved to the resume state) in a background thread while layer i+1
+    computes. One write in flight at a time and one thread, so every sink sees the layers in order, exactly as a
+    synchronous loop hands them; a failed write is raised at the next put or at the end. On any failure of the loop
+    the write in flight finishes first (a Ctrl-C leaves the resume state at the last layer handed over)."""
+
+    def __init__(self, sinks: list, resume, enabled: bool = True):
+        self.sinks, self.resume = sinks, resume
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="qtk-write") if enabled else None
+        self.pending: Future | None = None
+
+    def _write(self, result: LayerResult, hidden) -> None:
+        for s in self.sinks:
+            s.add_layer(result)
+        if self.resume is not None:
+            self.resume.save_layer(result, hidden)
+
+    def put(self, result: LayerResult, hidden) -> None:
+        self.wait()
+        if self.pool is None:
+            self._write(result, hidden)
+        else:
+            self.pending = self.pool.submit(self._write, result, hidden)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            f, self.pending = self.pending, None
+            f.result()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                self.wait()
+            elif self.pending is not None:
+                self.pending.exception()  # let it finish; the loop's own error is the one reported
+                self.pending = None
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)

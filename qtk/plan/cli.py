@@ -36,9 +36,13 @@ from qtk.plan.hardware import DEFAULT_GPU, GB, gpu_names
 @click.option("--workload", type=click.Choice(["general", "chat", "code", "math"]), default="general",
               show_default=True, help="INT4 is flagged as risky for code and math.")
 @click.option("--api-price", type=float, default=None, help="API price per 1M output tokens, for the break-even volume.")
+@click.option("--convert-on", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+              help="Where the conversion's time and memory are estimated: the CPU, or --gpu (qtk convert --device cuda).")
+@click.option("--convert-processes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes of the conversion (torchrun --nproc-per-node).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def plan(model, recipe_names, recommend, gpu, gpu_mem, gpu_bw, price, tp, tp_efficiency, context, concurrency,
-         utilization, overhead_gb, dtype, headroom, workload, api_price, as_json):
+         utilization, overhead_gb, dtype, headroom, workload, api_price, convert_on, convert_processes, as_json):
     """Plan serving MODEL (a model directory or its config.json) from its config alone.
 
     Exits 1 when the plan does not fit (or, with --recommend, when no recipe fits).
@@ -79,10 +83,12 @@ def plan(model, recipe_names, recommend, gpu, gpu_mem, gpu_bw, price, tp, tp_eff
             else:
                 render_decision(console, decision)  # the table of reasons; the verdict is the error line below
             raise CheckFailed(decision.reason, "use more GPUs (--tp), a shorter --context or a lower --concurrency")
-        p = make_plan(shape, decision.recipe, dep, recipe_name=decision.chosen, api_usd_per_1m=api_price, decision=decision)
+        p = make_plan(shape, decision.recipe, dep, recipe_name=decision.chosen, api_usd_per_1m=api_price, decision=decision,
+                      convert_on=convert_on, convert_processes=convert_processes)
     else:
         recipe = load_recipe(names[0]) if names else None
-        p = make_plan(shape, recipe, dep, api_usd_per_1m=api_price)
+        p = make_plan(shape, recipe, dep, api_usd_per_1m=api_price, convert_on=convert_on,
+                      convert_processes=convert_processes)
 
     if as_json:
         click.echo(to_json(p))

@@ -32,6 +32,7 @@ class Plan:
     serving: dict
     notes: list[str] = field(default_factory=list)
     recommendation: object | None = None  # decide.Decision when --recommend
+    convert_estimate: object | None = None  # convert_cost.ConversionEstimate: time and peaks of `qtk convert`
 
     def as_dict(self) -> dict:
         s = self.shape
@@ -48,6 +49,7 @@ class Plan:
             "throughput": self.throughput.as_dict(),
             "cost": self.cost.as_dict(),
             "conversion": self.conversion.as_dict(),
+            "conversion_estimate": self.convert_estimate.as_dict() if self.convert_estimate is not None else None,
             "serving": self.serving,
             "notes": self.notes,
         }
@@ -83,7 +85,7 @@ def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan, *, recomme
 
 
 def make_plan(s: ModelShape, recipe, dep: Deployment, *, recipe_name: str | None = None, api_usd_per_1m: float | None = None,
-              decision=None, model_path: str = "CHECKPOINT") -> Plan:
+              decision=None, model_path: str = "CHECKPOINT", convert_on: str = "cpu", convert_processes: int = 1) -> Plan:
     """Everything `qtk plan` reports for one recipe (None: the unquantized model)."""
     check_deployment(s, dep)
     w, m = evaluate(s, recipe, dep)
@@ -94,7 +96,13 @@ def make_plan(s: ModelShape, recipe, dep: Deployment, *, recipe_name: str | None
     name = recipe_name or (recipe.name if recipe is not None else f"none ({w.dtype})")
     serving = serving_commands(s, recipe, m, dep, model_path=model_path)
     notes = plan_notes(s, recipe, dep, m, recommended=decision is not None)
-    return Plan(s, dep, name, recipe, w, m, tput, c, conv, serving, notes, decision)
+    from qtk.plan.convert_cost import estimate_conversion
+    from qtk.plan.memory import DTYPE_BYTES, model_tensors
+
+    source_bytes = sum(x.numel for x in model_tensors(s)) * DTYPE_BYTES[s.dtype]
+    est = estimate_conversion(s, recipe, conv, source_bytes, w.total, gpu=dep.gpu if convert_on == "gpu" else None,
+                              processes=convert_processes)
+    return Plan(s, dep, name, recipe, w, m, tput, c, conv, serving, notes, decision, est)
 
 
 def gb(n: float) -> str:

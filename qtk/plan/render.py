@@ -148,7 +148,17 @@ def render_plan(console, plan) -> None:
     if conv.awq_cache:
         rows.append(("AWQ input cache", _gb(conv.awq_cache)))
     rows.append(("[bold]peak", f"[bold]{_gb(conv.total)}"))
+    est = plan.convert_estimate
+    if est is not None:
+        where = "CPU" if est.device == "cpu" else f"{est.device} GPU"
+        procs = f", {est.processes} processes" if est.processes > 1 else ""
+        rows.append((f"on the {where}{procs}: host peak per process", _gb(est.host_peak)))
+        if est.device_peak:
+            rows.append(("GPU memory peak per GPU", _gb(est.device_peak)))
+        rows.append(("time (estimate, qtk/plan/convert_cost.py)", _duration(est.seconds)))
     console.print(_table("qtk convert needs", rows))
+    for n in (est.notes if est is not None else ()):
+        console.print(f"  {escape(n)}", soft_wrap=True)
 
     sv = plan.serving
     console.print("[bold]Serving")
@@ -156,3 +166,11 @@ def render_plan(console, plan) -> None:
         console.print("  " + line, soft_wrap=True, markup=False, highlight=False)
     for n in sv["notes"] + plan.notes:
         console.print(f"[yellow]! {escape(n)}", soft_wrap=True)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -36,7 +36,11 @@ def run(ctx: LayerContext, params: AWQParams) -> AWQRecord:
             record.ratios[pair.prev] = None
             continue
         weights = [master[n] for n in pair.nexts]
-        s, info = awq_search_scales(x, weights, [ctx.scheme(n).weights for n in pair.nexts], params, ctx.dtype, combine)
+        x_mean = None
+        if ctx.reducer.world_size > 1:  # the grid's candidates from every process's tokens (a token-weighted mean)
+            x_mean = combine(x.reshape(-1, x.shape[-1]).float().abs().mean(0), x.reshape(-1, x.shape[-1]).shape[0])
+        s, info = awq_search_scales(x, weights, [ctx.scheme(n).weights for n in pair.nexts], params, ctx.dtype, combine,
+                                    x_mean=x_mean)
         fold(layer, arch, pair, s, master)
         record.ratios[pair.prev] = info.get("ratio")
         if info.get("ratio") is not None:  # the scales themselves: the frame the weights were quantized in

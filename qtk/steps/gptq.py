@@ -34,16 +34,47 @@ def run(ctx: LayerContext, params: GPTQParams) -> GPTQRecord:
     groups = sequential_groups(ctx.arch, ctx.targets)
     if params.true_sequential:
         for group in groups:
-            hessian = group_hessians(ctx, [group])[group]
-            solve_group(ctx, group, hessian, params, record)
+            hessians = group_hessians(ctx, [group])
+            solve_groups(ctx, [group], hessians, params, record)
             swap_in_all(ctx, group)
         return record
     for chunk in hessian_passes(ctx.layer, groups):
         hessians = group_hessians(ctx, chunk)
-        for group in chunk:
-            solve_group(ctx, group, hessians.pop(group), params, record)
+        solve_groups(ctx, chunk, hessians, params, record)
     swap_in_all(ctx, list(ctx.qweights))
     return record
+
+
+def solve_cost(ctx: LayerContext, group) -> float:
+    """GPTQ's work on a group: the Cholesky of H [in, in] plus the column sweep over every row of its members."""
+    w = ctx.layer.get_submodule(group[0]).weight
+    rows = sum(ctx.layer.get_submodule(t).weight.shape[0] for t in group)
+    return float(w.shape[1]) ** 3 + rows * float(w.shape[1]) ** 2
+
+
+def solve_groups(ctx: LayerContext, groups, hessians: dict, params: GPTQParams, record: GPTQRecord) -> None:
+    """Solve each group; with several processes each group is solved by one of them (balanced by cost: every
+    process holds the same reduced Hessians) and its QTensors and record are sent to all, so every process swaps in,
+    and propagates, the same quantized layer."""
+    reducer = ctx.reducer
+    if reducer.world_size == 1:
+        for group in groups:
+            solve_group(ctx, group, hessians.pop(group), params, record)
+        return
+    owners = reducer.owners([solve_cost(ctx, g) for g in groups])
+    solved = GPTQRecord()  # this process's solves, entered below in group order (the order writers see)
+    for group, owner in zip(groups, owners):
+        if owner == reducer.rank:
+            solve_group(ctx, group, hessians[group], params, solved)
+        hessians.pop(group)
+    host = "cpu"  # objects travel through the host: a CUDA tensor would unpickle on its sender's GPU index
+    for group, owner in zip(groups, owners):
+        mine = ({t: ctx.qweights.pop(t).to(host) for t in group}, {t: solved.modules[t] for t in group}) \
+            if owner == reducer.rank else None
+        qts, recs = reducer.broadcast_object(mine, src=owner)
+        for t in group:
+            ctx.qweights[t] = qts[t].to(ctx.device)
+            record.modules[t] = recs[t]
 
 
 def hessian_passes(layer, groups):

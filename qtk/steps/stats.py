@@ -20,6 +20,7 @@ class Reducer:
     methods (in place on the tensors given) and world_size."""
 
     world_size = 1
+    rank = 0
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over processes."""
@@ -32,6 +33,31 @@ class Reducer:
     def weighted_mean_(self, t: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
         """(Σ_p count_p · t_p / Σ_p count_p, Σ_p count_p): means over each process's `count` items, merged."""
         return t, count
+
+    # Objects (picklable, on the host) between processes: resume state, solved weights, decisions of one process.
+
+    def broadcast_object(self, obj, src: int = 0):
+        """The object of process `src`, on every process."""
+        return obj
+
+    def gather_objects(self, obj, dst: int = 0) -> list | None:
+        """[the object of each process] in rank order on process `dst`, None elsewhere."""
+        return [obj]
+
+    def scatter_objects(self, objs: list | None, src: int = 0):
+        """objs[rank] of process `src`'s list, on each process (objs is only read on `src`)."""
+        return objs[0]
+
+    def owners(self, costs: list[float]) -> list[int]:
+        """The process that does each of several jobs of the given costs: the costliest first, each to the least
+        loaded process (ties to the lowest rank), so every process computes the same assignment."""
+        load = [0.0] * self.world_size
+        out = [0] * len(costs)
+        for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+            r = min(range(self.world_size), key=lambda r: (load[r], r))
+            out[j] = r
+            load[r] += costs[j]
+        return out
 
 
 LOCAL = Reducer()
