@@ -68,6 +68,24 @@ class Format:
         """float32 [out, in] from stored values; g_idx [in] maps each input column to its group (act-order)."""
         raise NotImplementedError
 
+    def tensor_wide(self, scheme: QuantScheme) -> bool:
+        """Whether qparams hold a tensor-wide part beyond the per-group scales (NVFP4's global scale), which GPTQ fixes
+        before its column loop and fusion groups share."""
+        return False
+
+    def group_qparams(self, cols: torch.Tensor, scheme: QuantScheme, model_dtype: torch.dtype,
+                      qp: QParams | None = None) -> QParams:
+        """For GPTQ: the scale (and zero point) [out, 1] of one group of columns cols [out, group], taken when the
+        group starts; qp holds the tensor-wide extras fixed up front (tensor_wide)."""
+        from dataclasses import replace
+
+        return self.qparams(cols, replace(scheme, strategy="channel", group_size=None), model_dtype)
+
+    def fused_qparams(self, weights: list[torch.Tensor], scheme: QuantScheme, model_dtype: torch.dtype) -> list[QParams] | None:
+        """QParams of Linears the engines fuse into one GEMM (q/k/v, gate/up) whose tensor-wide part they must share;
+        None when nothing is shared (each member takes its own)."""
+        return None
+
     def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None) -> ColumnQuantizer:
         """For GPTQ: quantize one column with its scale (and zero point); qp holds tensor-wide extras if any."""
         raise NotImplementedError
