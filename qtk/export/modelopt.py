@@ -14,7 +14,7 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.base import Writer
+from qtk.export.base import Writer, next_formats
 from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, expect_tensor
 from qtk.export.codecs import modelopt as codec
 from qtk.export.trtllm.algo import AWQ_GROUP_SIZES
@@ -35,6 +35,9 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
     if recipe.mixed:  # no fix of our own: the targets that accept the recipe are computed from their checks
         raise UsageError(f"{where}: qtk writes hf-modelopt checkpoints with one quant_algo; the recipe's overrides would "
                          "need ModelOpt's MIXED_PRECISION (per-layer quantized_layers), which qtk does not write")
+    new = next_formats(recipe)
+    if new:  # no fix of our own: the targets that accept the recipe are computed from their checks
+        raise UsageError(f"{where}: qtk does not write {', '.join(new)} as a ModelOpt HF checkpoint")
     if a is not None and not a.is_fp8:
         raise UsageError(f"{where}: INT8 SmoothQuant (W8A8) has no ModelOpt HF checkpoint form; TensorRT-LLM loads it only "
                          "from its own checkpoint", "use --target trtllm")

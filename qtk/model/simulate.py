@@ -106,10 +106,11 @@ def fuse_groups(model: torch.nn.Module, modules: list[str], groups) -> int:
 
 
 def engine_weight(qt) -> torch.Tensor:
-    """The dequantized weight, (q - z) * s, computed in the dtype its scale is stored in: the model dtype
-    for int formats (as compressed-tensors and the dequantizing kernels do), float32 for fp8. float32 out."""
+    """The dequantized weight, computed in the dtype the format's spec says the engines form it in: the model dtype
+    for int formats, NVFP4, MX and FP8 blocks (as compressed-tensors and the dequantizing kernels do), float32 for
+    per-tensor / per-channel fp8. float32 out."""
     w = qt.dequantize()
-    return w if qt.scheme.is_fp8 else w.to(qt.dtype).float()
+    return w.to(qt.dtype).float() if qt.format.decodes_in_model_dtype(qt.scheme) else w
 
 
 def _qtk_attention(module, query, key, value, attention_mask, **kwargs):

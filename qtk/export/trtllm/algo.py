@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qtk.errors import UsageError
+from qtk.export.base import next_format
 from qtk.export.codecs.trtllm import PLAIN_ALGOS
 from qtk.quant.scheme import QuantScheme
 from qtk.recipe.rules import ModuleScheme
@@ -93,6 +94,9 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
     w, a, steps = scheme.weights, scheme.activations, recipe.step_names
     where = f"recipe {recipe.name}"
     notes: list[str] = []
+    new = next_format(scheme)
+    if new:  # no fix of our own: the targets that accept the recipe are named by qtk.export.check_targets
+        raise UsageError(f"{where}: qtk does not write {new} as a TensorRT-LLM checkpoint")
     if w.is_fp8:
         if a is None:
             raise UsageError(f"{where}: TensorRT-LLM has no FP8 weight-only checkpoint mode", "add fp8 activations (recipes fp8, fp8-dynamic)")

@@ -55,6 +55,11 @@ class Format:
         """The dtype scales are stored (and rounded to before use) in; None: float32."""
         raise NotImplementedError
 
+    def decodes_in_model_dtype(self, scheme: QuantScheme) -> bool:
+        """Whether the engines (and compressed-tensors' decompressors) form the dequantized weight in the model dtype
+        (True: int scales in the model dtype; NVFP4, MX, FP8 blocks decompressed to it) rather than in float32."""
+        return True
+
     def qparams(self, w: torch.Tensor, scheme: QuantScheme, model_dtype: torch.dtype) -> QParams:
         """Quantization parameters of weight w [out, in] (model_dtype: the dtype the model stores, for scales)."""
         raise NotImplementedError
