@@ -108,6 +108,7 @@ CATALOGUE = {
     "fp8-block-ragged": "fp8-block on a model whose k/v projections (64 rows) are not multiples of 128",
     "fp4-scheme-bad-group": "recipe with fp4 weights in groups of 32 without E8M0 scales",
     "nvfp4-activations-dynamic": "recipe with NVFP4 activations 'dynamic: true' (no global input scale)",
+    "hf-fp8-refuses-recipe": "--target hf-fp8 (quant_method fp8) with an int8 recipe (w8a16)",
     # qtk plan
     "plan-weights-file": "qtk plan given a weights file instead of the model directory",
     "plan-tp-heads": "qtk plan --tp 3 on 4 attention heads",
@@ -633,6 +634,9 @@ def test_issue14_format_refusals(tmp_path, tiny_llama):
     code, out = convert(tmp_path, tiny_llama, recipe=bad)
     expect("nvfp4-activations-dynamic", code, out, tmp_path, "NVFP4 activations take group scales at run time",
            "dynamic: local")
+    code, out = convert(tmp_path, tiny_llama, "--target", "hf-fp8", recipe="w8a16")
+    expect("hf-fp8-refuses-recipe", code, out, tmp_path, "holds FP8 block weights with dynamic per-token-group activations only",
+           "use --target vllm")
 
 
 def test_plan_bad_inputs(tmp_path, model):
