@@ -102,7 +102,7 @@ CATALOGUE = {
     # targets
     "target-refuses-recipe": "--target hf-modelopt with an asymmetric int4 recipe (w4a16-awq)",
     # issue 14: the Blackwell / Hopper formats
-    "nvfp4-target-trtllm": "--target trtllm with the nvfp4 recipe",
+    "mxfp4-target-trtllm": "--target trtllm with the mxfp4-a16 recipe",
     "nvfp4-target-gptq": "--target gptq with the nvfp4-a16 recipe",
     "mxfp4-target-awq": "--target awq with the mxfp4-a16 recipe",
     "fp8-block-ragged": "fp8-block on a model whose k/v projections (64 rows) are not multiples of 128",
@@ -614,8 +614,8 @@ def test_a_target_refusal_suggests_only_targets_that_accept_the_recipe(tmp_path,
 def test_issue14_format_refusals(tmp_path, tiny_llama):
     """Each target refuses the formats it cannot run before any work, naming one that can; FP8 blocks refuse a model
     they do not tile; the recipe vocabulary's impossible combinations name the fix."""
-    code, out = convert(tmp_path, tiny_llama, "--target", "trtllm", recipe="nvfp4")
-    expect("nvfp4-target-trtllm", code, out, tmp_path, "qtk does not write NVFP4 as a TensorRT-LLM checkpoint",
+    code, out = convert(tmp_path, tiny_llama, "--target", "trtllm", recipe="mxfp4-a16")
+    expect("mxfp4-target-trtllm", code, out, tmp_path, "qtk does not write MXFP4 as a TensorRT-LLM checkpoint",
            "use --target vllm")
     code, out = convert(tmp_path, tiny_llama, "--target", "gptq", recipe="nvfp4-a16")
     expect("nvfp4-target-gptq", code, out, tmp_path, "the gptq target stores int4/int8 weight-only checkpoints, not NVFP4A16",

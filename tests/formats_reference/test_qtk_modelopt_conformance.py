@@ -61,3 +61,52 @@ def test_hf_modelopt_nvfp4_matches_modelopt(case, model, tmp_path):
         la = build_simulated_model(mo, simulate_kv=False)(ids).logits
         lb = build_simulated_model(ct, simulate_kv=False)(ids).logits
     assert (la - lb).abs().max().item() <= 1e-3 * lb.abs().max().item()
+
+
+# trtllm/nvfp4/tp2 is left out: the reference model's 3 KV heads do not split over 2 ranks (ModelOpt splits inside a
+# head; qtk refuses --tp 2 there, tests/trtllm covers NVFP4-independent TP sharding)
+TRT_CASES = {"trtllm/nvfp4/tp1": ("nvfp4", 1), "trtllm/nvfp4-kv8/tp1": ("nvfp4-kv8", 1), "trtllm/nvfp4-a16/tp1": ("nvfp4-a16", 1)}
+
+
+@pytest.mark.parametrize("case", sorted(TRT_CASES))
+def test_trtllm_nvfp4_matches_modelopt(case, model, tmp_path):
+    """ModelOpt's export_tensorrt_llm_checkpoint of the same model: config `quantization` and `mapping`, per rank the
+    same tensor names, dtypes and shapes (TP shards: packed bytes and group scales split along the input for
+    attention.dense / mlp.proj)."""
+    recipe, tp = TRT_CASES[case]
+    ref = REF["cases"][case]
+    res = api.convert(model, recipe, tmp_path / "out", targets=["trtllm", "vllm"], tp=tp, num_samples=4, seq_len=32,
+                      hash_source=False)
+    d = res.outputs["trtllm"]
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["quantization"] == ref["config"]["quantization"]
+    assert cfg["mapping"]["tp_size"] == ref["config"]["mapping"]["tp_size"]
+    for rank, want in ref["ranks"].items():
+        got = header(d / f"{rank}.safetensors")
+        assert {n: [dt, list(sh)] for n, (dt, sh) in got.items()} == {n: [dt, list(sh)] for n, (dt, sh) in want.items()}, rank
+    trt, ct = open_checkpoint(d), open_checkpoint(res.outputs["vllm"])
+    for m in ct.modules():
+        assert torch.allclose(trt.qtensor(m).dequantize(), ct.qtensor(m).dequantize(), rtol=1e-6, atol=0), m
+    assert api.inspect(d).ok
+
+
+def test_trtllm_nvfp4_tp2_shards_decode_to_the_same_weights(tmp_path):
+    """TP 2 on a model whose KV heads split: packed bytes and group scales of attention.dense / mlp.proj split along
+    the input, qkv / fc / gate along the output; merged back they decode to the vllm output's weights."""
+    import sys
+
+    sys.path.insert(0, str(HERE.parent))
+    from models import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "m", hidden=256, intermediate=512, heads=4, kv_heads=2)
+    res = api.convert(src, "nvfp4", tmp_path / "out", targets=["trtllm", "vllm"], tp=2, num_samples=4, seq_len=32,
+                      hash_source=False)
+    d = res.outputs["trtllm"]
+    h = header(d / "rank1.safetensors")
+    assert h["transformer.layers.0.attention.dense.weight"] == ["U8", [256, 64]]
+    assert h["transformer.layers.0.attention.dense.weights_scaling_factor"] == ["F8_E4M3", [256, 8]]
+    assert h["transformer.layers.0.mlp.fc.weight"] == ["U8", [256, 128]]
+    trt, ct = open_checkpoint(d), open_checkpoint(res.outputs["vllm"])
+    for m in ct.modules():
+        assert torch.allclose(trt.qtensor(m).dequantize(), ct.qtensor(m).dequantize(), rtol=1e-6, atol=0), m
+    assert api.inspect(d).ok
