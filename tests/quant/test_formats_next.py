@@ -120,3 +120,23 @@ def test_gptq_refuses_fp8_blocks():
 
     with pytest.raises(UsageError, match="round-to-nearest"):
         gptq_quantize(_w().float(), _hessian(), FP8_BLOCK, GPTQParams(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("scheme", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
+def test_awq_searches_through_the_spec(scheme):
+    """AWQ's scale and clip searches quantize through the format spec: clips per FP4 group, no worse than no clip."""
+    from qtk.algorithms.awq import apply_clip, awq_search_clip
+    from qtk.recipe.params import AWQParams
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(64, 256, generator=g) * 0.02)
+    x = torch.randn(512, 256, generator=g) * (torch.rand(256, generator=g) * 3 + 0.1)
+    mv = awq_search_clip(x, w, scheme, AWQParams())
+    assert mv.shape == (64, 256 // scheme.group_size)
+    assert bool((mv <= w.reshape(64, -1, scheme.group_size).abs().amax(-1) + 1e-12).all())
+
+    def out_err(W):
+        q = QTensor.quantize(W, scheme, torch.float32).dequantize()
+        return float(((x @ (q - w).t()) ** 2).mean())
+
+    assert out_err(apply_clip(w, mv)) <= out_err(w) * 1.001
