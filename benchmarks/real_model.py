@@ -86,18 +86,25 @@ def qtk_recipe_doc(name: str, in_features: list[int]) -> dict:
 
 def llmc_config(doc: dict, observer: str = "static_minmax") -> dict:
     """The recipe in llm-compressor's terms (see the module docstring)."""
-    keys = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
-    weights = {k: doc["weights"][k] for k in keys if k in doc["weights"]}
+    keys = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic", "block_structure", "scale_dtype")
+
+    def args(d: dict) -> dict:
+        out = {k: d[k] for k in keys if k in d}
+        if out.get("scale_dtype") == "e8m0":  # compressed-tensors spells MX scales torch.uint8
+            out["scale_dtype"] = "torch.uint8"
+        return out
+
+    weights = args(doc["weights"])
     group = {"targets": ["Linear"], "weights": weights}
     act = doc.get("activations")
+    static = bool(act) and act.get("dynamic") is not True  # NVFP4's dynamic "local" keeps a calibrated global scale
     if act:
-        group["input_activations"] = {**{k: act[k] for k in keys if k in act},
-                                      **({} if act.get("dynamic") else {"observer": observer})}
+        group["input_activations"] = {**args(act), **({"observer": observer} if static else {})}
     quant = {"config_groups": {"group_0": group}, "ignore": list(doc.get("ignore", ["lm_head"]))}
     if doc.get("kv_cache"):
         quant["kv_cache_scheme"] = dict(FP8_KV)
     steps = [s if isinstance(s, dict) else {s: {}} for s in doc["algorithm"]]
-    mods, calibrate = [], bool(act and not act.get("dynamic")) or bool(doc.get("kv_cache"))
+    mods, calibrate = [], static or bool(doc.get("kv_cache"))
     for step in steps:
         (name, p), = step.items()
         p = p or {}

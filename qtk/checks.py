@@ -15,7 +15,7 @@ from qtk.errors import QtkError
 # relative Frobenius error ||W - Q(W)|| / ||W|| that a sane quantizer stays far below (RTN on Gaussian
 # weights gives ~0.01 at int8, ~0.15 at int4, ~0.04 at fp8); a broken one (wrong scale, collapsed
 # packing, swapped layout) lands at or above 1.
-MAX_REL_ERROR = {("int", 8): 0.1, ("int", 4): 0.7, ("int", 2): 1.5, ("float", 8): 0.2}
+MAX_REL_ERROR = {("int", 8): 0.1, ("int", 4): 0.7, ("int", 2): 1.5, ("float", 8): 0.2, ("float", 4): 0.7}
 MANIFEST_TOLERANCE = 1e-3  # |error measured on disk - error qtk.json recorded|
 WEIGHT_RANGE = (1e-8, 1e4)  # a decoded weight's largest magnitude outside this is no trained LLM's
 ACT_RANGE = (1e-6, 1e6)  # the activation range a static input scale implies
@@ -221,6 +221,9 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
     algo_records = ((manifest or {}).get("stats") or {}).get("algorithm") or {}
     static_act: list[str] = []  # modules whose scheme has static activation scales
     bad_scale, constant, off_grid, implausible, compare, act, uncompared = [], [], [], [], [], [], []
+    bad_global: list[str] = []  # NVFP4 global scales not finite / positive, E8M0 codes out of range
+    global_scales: dict[str, float] = {}  # module -> NVFP4 weight global scale, for the fused-group check
+    fp4_mx = False  # some module is NVFP4 or MX: their scale checks are reported
     rownorm: dict[str, float] = {}
     for m in mods:
         shape = shapes.get(f"{m}.weight")
@@ -239,7 +242,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
             w = ck.written_weight(m, qt)
             scheme = ck.scheme_for(m)
             act_scheme = scheme.activations if scheme is not None else None
-            in_scale = ck.input_scale(m) if (act_scheme is not None and not act_scheme.dynamic) else None
+            in_scale = ck.input_scale(m) if (act_scheme is not None and act_scheme.has_static_scale) else None
         except QtkError as e:
             structure.append(f"{m}: {e.problem}")
             continue
@@ -254,17 +257,24 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
         v = qt.values.reshape(-1)
         if v.numel() > 1 and bool((v == v[0]).all()):
             constant.append(f"{m}: every quantized value is {v[0].item()} (collapsed)")
-        if not s.is_fp8 and v.numel() and (int(v.min()) < s.qmin or int(v.max()) > s.qmax):
+        if s.type == "int" and v.numel() and (int(v.min()) < s.qmin or int(v.max()) > s.qmax):
             off_grid.append(f"{m} holds values {int(v.min())}..{int(v.max())}, outside int{s.num_bits}'s {s.qmin}..{s.qmax}")
+        elif s.is_fp4 and v.numel() and int(v.max()) > 15:
+            off_grid.append(f"{m} holds codes up to {int(v.max())}, outside FP4's 0..15")
+        bad_global.extend(_format_scale_problems(m, qt, global_scales))
+        fp4_mx = fp4_mx or s.is_nvfp4 or s.is_mx
         amax = float(w.abs().max()) if w.numel() else 0.0
         if not math.isfinite(amax) or amax > WEIGHT_RANGE[1] or 0 < amax < WEIGHT_RANGE[0]:
             implausible.append(f"{m} decodes to weights up to {amax:.3g} (scale {float(qt.scale.abs().max()):.3g}), "
                                f"outside {WEIGHT_RANGE[0]:g}..{WEIGHT_RANGE[1]:g}")
-        if act_scheme is not None and not act_scheme.dynamic:
+        if act_scheme is not None and act_scheme.has_static_scale:
             static_act.append(m)
         if in_scale is not None:
-            qmax = 448.0 if act_scheme.is_fp8 else float(act_scheme.qmax)
-            a = float(in_scale.reshape(-1)[0]) * qmax
+            if act_scheme.is_nvfp4:  # a global input scale multiplies: 448·6 / amax
+                a = 448.0 * 6.0 / float(in_scale.reshape(-1)[0])
+            else:
+                qmax = 448.0 if act_scheme.is_fp8 else float(act_scheme.qmax)
+                a = float(in_scale.reshape(-1)[0]) * qmax
             if not (math.isfinite(a) and ACT_RANGE[0] < a < ACT_RANGE[1]):
                 act.append(f"{m}.input_scale implies activations up to {a:.3g}")
         if arch is not None and m.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "qkv_proj"):
@@ -340,6 +350,9 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
         problems += [f"the config's ignore covers {m}, which holds quantized tensors" for m in hidden[:3]]
         rep.add("every targeted Linear is quantized", problems, f"{len(mods)} quantized")
     rep.add("weight scales finite and positive", bad_scale)
+    if fp4_mx:
+        bad_global.extend(_fused_global_problems(global_scales, ck, arch))
+        rep.add("NVFP4 global scales finite and shared in fused groups; E8M0 scales in range", bad_global)
     rep.add("quantized weights not constant", constant)
     rep.add("weights decode to plausible values", off_grid + implausible)
     if source is not None and arch is not None:
@@ -362,6 +375,45 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
         rep.add("static activation scales present and plausible", [f"{m}.input_scale is missing" for m in no_in[:3]] + act)
     rep.add("dense tensors finite", [f"{n} has NaN/Inf" for n in nonfinite])
     return rep
+
+
+def _format_scale_problems(m: str, qt, global_scales: dict[str, float]) -> list[str]:
+    """NVFP4: the weight global scale finite and positive (recorded for the fused-group check); MX: every E8M0 scale a
+    finite power of two (code 255 is NaN)."""
+    import torch
+
+    out = []
+    gs = qt.extra.get("global_scale")
+    if gs is not None:
+        g = float(gs.reshape(-1)[0])
+        if not (math.isfinite(g) and g > 0):
+            out.append(f"{m}.weight_global_scale is {g}")
+        else:
+            global_scales[m] = g
+    if qt.scheme.is_mx:
+        sc = qt.scale
+        bad = ~torch.isfinite(sc) | (sc <= 0) | (torch.exp2(torch.round(torch.log2(sc))) != sc)
+        if bool(bad.any()):
+            out.append(f"{m}: {int(bad.sum())} E8M0 scales are NaN (code 255) or not powers of two")
+    return out
+
+
+def _fused_global_problems(global_scales: dict[str, float], ck, arch) -> list[str]:
+    """Linears the engines fuse (q/k/v, gate/up) must carry one NVFP4 global scale: vLLM keeps one per fused layer
+    and TensorRT-LLM asserts they are equal."""
+    if arch is None:
+        return []
+    out = []
+    for m, g in global_scales.items():
+        for group in arch.fusion_groups:
+            if m.endswith("." + group[0]):
+                prefix = m[: -len(group[0])]
+                vals = {x: global_scales.get(prefix + x) for x in group}
+                if len({v for v in vals.values() if v is not None}) > 1:
+                    out.append(f"{prefix}{{{','.join(group)}}} have different global scales "
+                               f"({', '.join(f'{v:g}' for v in vals.values() if v is not None)}); the engines fuse them "
+                               "with one")
+    return out
 
 
 def _ignored(module: str, ck) -> bool:

@@ -104,6 +104,14 @@ CATALOGUE = {
     "interrupted": "Ctrl-C while quantizing layers",
     # targets
     "target-refuses-recipe": "--target hf-modelopt with an asymmetric int4 recipe (w4a16-awq)",
+    # issue 14: the Blackwell / Hopper formats
+    "mxfp4-target-trtllm": "--target trtllm with the mxfp4-a16 recipe",
+    "nvfp4-target-gptq": "--target gptq with the nvfp4-a16 recipe",
+    "mxfp4-target-awq": "--target awq with the mxfp4-a16 recipe",
+    "fp8-block-ragged": "fp8-block on a model whose k/v projections (64 rows) are not multiples of 128",
+    "fp4-scheme-bad-group": "recipe with fp4 weights in groups of 32 without E8M0 scales",
+    "nvfp4-activations-dynamic": "recipe with NVFP4 activations 'dynamic: true' (no global input scale)",
+    "hf-fp8-refuses-recipe": "--target hf-fp8 (quant_method fp8) with an int8 recipe (w8a16)",
     # qtk plan
     "plan-weights-file": "qtk plan given a weights file instead of the model directory",
     "plan-tp-heads": "qtk plan --tp 3 on 4 attention heads",
@@ -634,6 +642,34 @@ def test_a_target_refusal_suggests_only_targets_that_accept_the_recipe(tmp_path,
     expect("target-refuses-recipe", code, out, tmp_path, "qtk writes hf-modelopt checkpoints for FP8",
            "use --target vllm or --target awq or --target gptq")
     assert "trtllm" not in out  # TensorRT-LLM refuses asymmetric int4 too
+
+
+def test_issue14_format_refusals(tmp_path, tiny_llama):
+    """Each target refuses the formats it cannot run before any work, naming one that can; FP8 blocks refuse a model
+    they do not tile; the recipe vocabulary's impossible combinations name the fix."""
+    code, out = convert(tmp_path, tiny_llama, "--target", "trtllm", recipe="mxfp4-a16")
+    expect("mxfp4-target-trtllm", code, out, tmp_path, "qtk does not write MXFP4 as a TensorRT-LLM checkpoint",
+           "use --target vllm")
+    code, out = convert(tmp_path, tiny_llama, "--target", "gptq", recipe="nvfp4-a16")
+    expect("nvfp4-target-gptq", code, out, tmp_path, "the gptq target stores int4/int8 weight-only checkpoints, not NVFP4A16",
+           "use --target vllm")
+    code, out = convert(tmp_path, tiny_llama, "--target", "awq", recipe="mxfp4-a16")
+    expect("mxfp4-target-awq", code, out, tmp_path, "not MXFP4", "use --target vllm")
+    code, out = convert(tmp_path, tiny_llama, recipe="fp8-block")
+    expect("fp8-block-ragged", code, out, tmp_path, "FP8 blocks of 128x128 do not tile model.layers.0.self_attn.k_proj",
+           "fp8-dynamic")
+    bad = tmp_path / "fp4.yaml"
+    bad.write_text("name: x\nweights: {num_bits: 4, type: float, strategy: group, group_size: 32}\n")
+    code, out = convert(tmp_path, tiny_llama, recipe=bad)
+    expect("fp4-scheme-bad-group", code, out, tmp_path, "fp4 is NVFP4", "scale_dtype: e8m0")
+    bad.write_text("name: x\nweights: {num_bits: 4, type: float, strategy: tensor_group, group_size: 16}\n"
+                   "activations: {num_bits: 4, type: float, strategy: tensor_group, group_size: 16, dynamic: true}\n")
+    code, out = convert(tmp_path, tiny_llama, recipe=bad)
+    expect("nvfp4-activations-dynamic", code, out, tmp_path, "NVFP4 activations take group scales at run time",
+           "dynamic: local")
+    code, out = convert(tmp_path, tiny_llama, "--target", "hf-fp8", recipe="w8a16")
+    expect("hf-fp8-refuses-recipe", code, out, tmp_path, "holds FP8 block weights with dynamic per-token-group activations only",
+           "use --target vllm")
 
 
 def test_plan_bad_inputs(tmp_path, model):

@@ -13,7 +13,9 @@ from qtk.export import open_checkpoint
 from qtk.model.simulate import build_simulated_model
 from qtk.recipe import builtin_recipes, load_recipe
 
-RECIPES = sorted(builtin_recipes())
+# FP8 blocks need Linears that are multiples of 128 both ways (the tiny models' k/v have 64 rows, which vLLM refuses):
+# tests/export/test_formats_next_vllm.py runs those recipes on a model they tile
+RECIPES = sorted(r for r in builtin_recipes() if load_recipe(r).weights.strategy != "block")
 NS, T = 8, 64
 
 

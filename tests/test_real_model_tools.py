@@ -78,7 +78,7 @@ def test_each_builtin_recipe_has_its_llmcompressor_spelling(bench, name):
                 "gptq": ["GPTQModifier"], "rtn": ["QuantizationModifier"]}
     assert types == [t for s in steps for t in expected[s]]
     act = doc.get("activations")
-    if act and not act.get("dynamic"):
+    if act and act.get("dynamic") is not True:
         assert group["input_activations"]["observer"] == "static_minmax"  # llm-compressor's FP8 preset observer
         assert bench.llmc_config(doc, observer="minmax")["modifiers"][-1]["kwargs"]["config_groups"]["group_0"][
             "input_activations"]["observer"] == "minmax"

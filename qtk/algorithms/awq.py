@@ -38,7 +38,7 @@ def _tokens(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _group_size(scheme: QuantScheme, in_f: int) -> int:
-    g = scheme.group_size if scheme.strategy == "group" else in_f
+    g = scheme.column_group or in_f  # int / MX groups, NVFP4's groups of 16; per row for tensor and channel scales
     if in_f % g:
         raise ValueError(f"AWQ: group_size {g} does not divide in_features {in_f}")
     return g

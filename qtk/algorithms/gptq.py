@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import replace
 
 import torch
 
@@ -173,7 +172,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     out_f, in_f = W.shape
     if H.shape != (in_f, in_f):
         raise ValueError(f"gptq_quantize{label}: H is {tuple(H.shape)} but W has {in_f} input features")
-    g = scheme.group_size if scheme.strategy == "group" else None
+    g = scheme.column_group  # columns sharing a scale (groups; NVFP4's and MX's groups of 16 / 32)
+    if scheme.strategy == "block":
+        raise UsageError(f"GPTQ{label}: FP8 block weights ({scheme.describe()}) are solved by round-to-nearest",
+                         "use algorithm: [rtn] with FP8 block weights")
     if g is not None and in_f % g:
         raise UsageError(f"GPTQ{label}: group_size {g} does not divide in_features {in_f}",
                          "pick a group_size that divides every quantized layer's input size, or ignore this layer")
@@ -197,7 +199,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
         qp = fmt.qparams(Wq, scheme, dtype)
         scale, zero = qp.scale, qp.zero_point
         del Wq
-    col_scheme = replace(scheme, strategy="channel", group_size=None)
+    elif fmt.tensor_wide(scheme):  # the tensor-wide part (NVFP4's global scale) is fixed before the groups are
+        qp = fmt.qparams(W.float(), scheme, dtype)
     gscales: list[torch.Tensor] = []
     gzeros: list[torch.Tensor | None] = []
 
@@ -270,7 +273,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
                         # updates still pending from this block (Err1 is zero from row i on)
                         rest = Wt[i2:j + g] - Hinv[i1:i2, i2:j + g].t() @ Err1
                         cols = torch.cat([cols, rest], dim=0)
-                    gq = fmt.qparams(cols.t(), col_scheme, dtype)  # [out, 1]
+                    gq = fmt.group_qparams(cols.t(), scheme, dtype, qp)  # [out, 1]
                     sc, zc = gq.scale, gq.zero_point
                     gscales.append(sc)
                     gzeros.append(zc)

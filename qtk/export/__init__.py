@@ -16,9 +16,10 @@ from qtk.errors import CheckFailed, QtkError, UsageError
 WRITERS: dict[str, type] = {}
 READERS: dict[str, type] = {}
 # modules that register writers/readers; imported lazily so `import qtk` stays light
-_MODULES = ("qtk.export.vllm", "qtk.export.gptq", "qtk.export.awq", "qtk.export.trtllm", "qtk.export.modelopt")
+_MODULES = ("qtk.export.vllm", "qtk.export.gptq", "qtk.export.awq", "qtk.export.trtllm", "qtk.export.modelopt",
+            "qtk.export.hf_fp8")
 # the registered targets, for --help without importing the writers (a test keeps it equal to WRITERS)
-TARGETS = ("vllm", "trtllm", "hf-modelopt", "gptq", "awq")
+TARGETS = ("vllm", "trtllm", "hf-modelopt", "gptq", "awq", "hf-fp8")
 
 
 def register_writer(cls):

@@ -12,6 +12,26 @@ from qtk.export import ExportOptions
 from qtk.recipe.rules import ModuleScheme
 
 
+def next_format(scheme: ModuleScheme) -> str | None:
+    """The issue-14 format a module scheme is (NVFP4, NVFP4A16, MXFP4, MXFP8, FP8 block, W4A8-FP8), or None for the
+    int / per-tensor and per-channel fp8 formats every target knew before; for refusals that name what is refused."""
+    w, a = scheme.weights, scheme.activations
+    if w.is_nvfp4:
+        return "NVFP4" if a is not None else "NVFP4A16"
+    if w.is_mx:
+        return f"MXFP{w.num_bits}"
+    if w.strategy == "block":
+        return "FP8 block"
+    if a is not None and w.type == "int" and w.num_bits == 4 and a.is_fp8:
+        return "W4A8-FP8"
+    return None
+
+
+def next_formats(recipe) -> list[str]:
+    """The issue-14 formats among a recipe's schemes."""
+    return [f for f in dict.fromkeys(next_format(s) for s in recipe.schemes) if f]
+
+
 def planned_schemes(source, recipe) -> dict[str, ModuleScheme]:
     """Every decoder-layer Linear the recipe quantizes, with its scheme (recipe.scheme_for), before any work: what a
     writer's check judges a mixed-precision recipe by."""
@@ -94,9 +114,14 @@ class Writer:
         for p in self.source.checked_side_files():  # checked again: a link may have changed since the start
             shutil.copy2(p, self.dir / p.name)
 
-    def write_readme(self, manifest: dict, final: Path, gpu: str = "h100-80g", context: int = 4096, concurrency: int = 8) -> None:
-        """README.md of the output: what it is, what loads it, and the serving flags that keep the KV cache in bounds."""
+    def write_readme(self, manifest: dict, final: Path, gpu: str | None = None, context: int = 4096, concurrency: int = 8) -> None:
+        """README.md of the output: what it is, what loads it, and the serving flags that keep the KV cache in bounds.
+        gpu: the plan's GPU; by default a B200 for FP4 recipes (only Blackwell runs FP4 natively), else an H100."""
         from qtk.plan import serving_section
+
+        if gpu is None:
+            fp4 = any(m.weights.is_fp4 or (m.activations is not None and m.activations.is_fp4) for m in self.recipe.schemes)
+            gpu = "b200" if fp4 else "h100-80g"
 
         r = manifest["recipe"]
         ctx = min(context, int(self.source.config_dict.get("max_position_embeddings") or context))

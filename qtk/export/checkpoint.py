@@ -303,4 +303,7 @@ def scale_shape(scheme: QuantScheme, out_f: int, in_f: int) -> list[int]:
         return [1]
     if scheme.strategy == "channel":
         return [out_f, 1]
+    if scheme.strategy == "block":
+        bm, bn = scheme.block_structure
+        return [-(-out_f // bm), -(-in_f // bn)]
     return [out_f, in_f // scheme.group_size if scheme.group_size else 0]

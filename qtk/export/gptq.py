@@ -24,7 +24,7 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.base import Writer, expert_overrides, override_patterns
+from qtk.export.base import Writer, expert_overrides, next_formats, override_patterns
 from qtk.export.checkpoint import FLOATS, Checkpoint, expect_tensor
 from qtk.export.codecs import gptq as codec
 from qtk.io.safetensors import SafetensorsFile, ShardedWriter
@@ -42,6 +42,9 @@ def refuse_common(target: str, recipe, options) -> None:
     """Refusals every legacy weight-only format shares: no tp/pp, no fp8, no quantized activations."""
     if options.tp != 1 or options.pp != 1:
         raise UsageError("--tp/--pp apply to the trtllm target only", f"engines shard {target} checkpoints at load time: drop --tp/--pp")
+    new = next_formats(recipe)
+    if new:  # no fix of our own: the targets that accept the recipe are named by qtk.export.check_targets
+        raise UsageError(f"the {target} target stores int4/int8 weight-only checkpoints, not {', '.join(new)} ({recipe.summary()})")
     if any(s.weights.is_fp8 for s in recipe.schemes):
         raise UsageError(f"the {target} target stores integer weights, not fp8", "use --target vllm (or trtllm) for fp8 recipes")
     if any(s.activations is not None for s in recipe.schemes):

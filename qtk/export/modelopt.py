@@ -14,7 +14,7 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.base import Writer
+from qtk.export.base import Writer, next_formats
 from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, expect_tensor
 from qtk.export.codecs import modelopt as codec
 from qtk.export.trtllm.algo import AWQ_GROUP_SIZES
@@ -35,6 +35,14 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
     if recipe.mixed:  # no fix of our own: the targets that accept the recipe are computed from their checks
         raise UsageError(f"{where}: qtk writes hf-modelopt checkpoints with one quant_algo; the recipe's overrides would "
                          "need ModelOpt's MIXED_PRECISION (per-layer quantized_layers), which qtk does not write")
+    if w.is_nvfp4:  # NVFP4 (W4A4) and W4A16_NVFP4, as ModelOpt's NVFP4_DEFAULT_CFG / W4A16_NVFP4_CFG export them
+        kv = recipe.kv_cache
+        if kv is not None and not kv.is_fp8:
+            raise UsageError(f"{where}: ModelOpt HF checkpoints carry FP8 KV-cache scales only", "set kv_cache type: float")
+        return ("NVFP4" if a is not None else "W4A16_NVFP4"), None if kv is None else "FP8", w.group_size
+    new = next_formats(recipe)
+    if new:  # no fix of our own: the targets that accept the recipe are computed from their checks
+        raise UsageError(f"{where}: qtk does not write {', '.join(new)} as a ModelOpt HF checkpoint")
     if a is not None and not a.is_fp8:
         raise UsageError(f"{where}: INT8 SmoothQuant (W8A8) has no ModelOpt HF checkpoint form; TensorRT-LLM loads it only "
                          "from its own checkpoint", "use --target trtllm")
@@ -85,7 +93,7 @@ class ModelOptHFWriter(Writer):
         a, dtype = self.source.arch, self.source.dtype
         prefix = self.source.layer_prefix(r.index)
         for mod, qt in r.qweights.items():
-            amax = r.input_amax[mod] if self.algo == "FP8" else None
+            amax = r.input_amax[mod] if self.algo in ("FP8", "NVFP4") else None
             for k, t in codec.encode(self.algo, qt, amax, mod[len(prefix):] in self.prequant, dtype).items():
                 self.shards.add(f"{mod}.{k}", t)
         for name, t in r.dense.items():
@@ -103,6 +111,8 @@ class ModelOptHFWriter(Writer):
         q = {"quant_algo": self.algo, "kv_cache_quant_algo": self.kv_algo}
         if self.algo == "W4A16_AWQ":
             q.update(group_size=self.group_size, has_zero_point=False, pre_quant_scale=True)
+        elif self.algo in codec.NVFP4_ALGOS:
+            q["group_size"] = self.group_size
         q["exclude_modules"] = self.exclude
         return {"producer": {"name": "qtk", "version": __version__}, "quantization": q}
 
@@ -114,6 +124,10 @@ class ModelOptHFWriter(Writer):
         if self.algo == "FP8":
             fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
             out["config_groups"] = {"group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}}
+        elif self.algo in codec.NVFP4_ALGOS:
+            fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": self.group_size}
+            g = {"input_activations": dict(fp4)} if self.algo == "NVFP4" else {}
+            out["config_groups"] = {"group_0": {**g, "weights": dict(fp4), "targets": ["Linear"]}}
         out["ignore"] = q["exclude_modules"]
         out["quant_algo"] = self.algo
         if self.kv_algo:
@@ -150,8 +164,12 @@ class ModelOptHFCheckpoint(Checkpoint):
             self.weights_scheme, self.activations = SCHEMES["FP8"]
         elif self.quant_algo == "W4A16_AWQ":
             self.weights_scheme, self.activations = QuantScheme(4, "int", True, "group", int(q.get("group_size") or 128)), None
+        elif self.quant_algo in codec.NVFP4_ALGOS:
+            self.weights_scheme = QuantScheme(4, "float", True, "tensor_group", 16)
+            self.activations = (QuantScheme(4, "float", True, "tensor_group", 16, dynamic="local")
+                                if self.quant_algo == "NVFP4" else None)
         else:
-            raise UsageError(f"{path}: qtk reads ModelOpt HF checkpoints with quant_algo FP8 or W4A16_AWQ, not {self.quant_algo}",
+            raise UsageError(f"{path}: qtk reads ModelOpt HF checkpoints with quant_algo FP8, W4A16_AWQ, NVFP4 or W4A16_NVFP4, not {self.quant_algo}",
                              "inspect it with ModelOpt or TensorRT-LLM")
         kv = q.get("kv_cache_quant_algo") or ("FP8" if qc.get("kv_cache_scheme") else None)
         self.kv_cache = "fp8" if kv == "FP8" else None
@@ -168,7 +186,11 @@ class ModelOptHFCheckpoint(Checkpoint):
 
     def input_scale(self, module: str) -> torch.Tensor | None:
         n = f"{module}.input_scale"
-        return self.tensor(n).float().reshape(1) if self.has(n) else None
+        if not self.has(n):
+            return None
+        s = self.tensor(n).float().reshape(1)
+        # ModelOpt stores NVFP4's input scale as amax/2688, the inverse of the global scale the simulator multiplies by
+        return 1.0 / s if self.quant_algo == "NVFP4" else s
 
     def kv_scales(self, layer: int) -> tuple[float, float] | None:
         base = self.attention(layer)
@@ -183,7 +205,13 @@ class ModelOptHFCheckpoint(Checkpoint):
     def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
         out_f, in_f = shape
         problems: list[str] = []
-        if self.quant_algo == "FP8":
+        if self.quant_algo in codec.NVFP4_ALGOS:
+            expect_tensor(self, f"{module}.weight", torch.uint8, [out_f, in_f // 2], problems, " (two FP4 codes a byte)")
+            expect_tensor(self, f"{module}.weight_scale", torch.float8_e4m3fn, [out_f, in_f // 16], problems)
+            expect_tensor(self, f"{module}.weight_scale_2", torch.float32, SCALAR, problems)
+            if self.quant_algo == "NVFP4":
+                expect_tensor(self, f"{module}.input_scale", torch.float32, SCALAR, problems, " (NVFP4 has a static input scale)")
+        elif self.quant_algo == "FP8":
             expect_tensor(self, f"{module}.weight", torch.float8_e4m3fn, [out_f, in_f], problems)
             expect_tensor(self, f"{module}.weight_scale", torch.float32, SCALAR, problems)
             expect_tensor(self, f"{module}.input_scale", torch.float32, SCALAR, problems, " (FP8 has static activation scales)")

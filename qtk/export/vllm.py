@@ -29,7 +29,7 @@ from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, expect_tensor, sca
 from qtk.export.codecs import ct
 from qtk.io.safetensors import ShardedWriter
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import FP8_MAX, QuantScheme
+from qtk.quant.scheme import FP8_MAX, LOCAL, QuantScheme
 from qtk.recipe.rules import ModuleScheme, matches
 
 KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
@@ -47,21 +47,25 @@ def ct_version() -> str:
         return "0.20.0"
 
 
-def ct_args(s: QuantScheme, actorder: str | None = None) -> dict:
+def ct_args(s: QuantScheme, actorder: str | None = None, fmt: str | None = None) -> dict:
     """compressed-tensors QuantizationArgs keys for a scheme (only those it accepts). actorder: "weight" for GPTQ's
-    static activation ordering (the only one compressed-tensors 0.20 accepts), else None."""
-    return {
+    static activation ordering (the only one compressed-tensors 0.20 accepts), else None. fmt: the group's format,
+    which decides a scale_dtype (NVFP4's fp8, MX's uint8 E8M0)."""
+    out = {
         "num_bits": s.num_bits,
         "type": s.type,
         "symmetric": s.symmetric,
         "group_size": s.group_size,
         "strategy": s.strategy,
-        "block_structure": None,
+        "block_structure": list(s.block_structure) if s.block_structure else None,
         "dynamic": s.dynamic,
         "actorder": actorder,
-        "observer": None if s.dynamic else ("mse" if s.observer == "mse" else "minmax"),
+        "observer": None if s.dynamic is True else ("mse" if s.observer == "mse" else "minmax"),
         "observer_kwargs": {},
     }
+    if fmt in ct.SCALE_DTYPE:
+        out["scale_dtype"] = ct.SCALE_DTYPE[fmt]
+    return out
 
 
 def kv_scale(amax: float) -> torch.Tensor:
@@ -128,7 +132,7 @@ class VLLMWriter(Writer):
             if mod in r.input_amax and scheme.static_activations:
                 from qtk.quant.qparams import static_scale
 
-                self.shards.add(f"{mod}.input_scale", static_scale(r.input_amax[mod], scheme.activations))
+                self.shards.add(f"{mod}.{ct.input_scale_key(scheme)}", static_scale(r.input_amax[mod], scheme.activations))
             self.groups.setdefault(scheme, []).append(mod)
         for name, t in r.dense.items():
             self.shards.add(name, t)
@@ -141,9 +145,10 @@ class VLLMWriter(Writer):
     def config_group(self, scheme: ModuleScheme, targets: list[str]) -> dict:
         # GPTQ's static act-order changes only how the values were chosen: "weight" records it, nothing to decode
         actorder = "weight" if self.recipe.gptq_actorder is not None else None
-        return {"targets": targets, "weights": ct_args(scheme.weights, actorder),
-                "input_activations": ct_args(scheme.activations) if scheme.activations else None,
-                "output_activations": None, "format": ct.ct_format(scheme)}
+        fmt = ct.ct_format(scheme)
+        return {"targets": targets, "weights": ct_args(scheme.weights, actorder, fmt),
+                "input_activations": ct_args(scheme.activations, None, fmt) if scheme.activations else None,
+                "output_activations": None, "format": fmt}
 
     def quantization_config(self) -> dict:
         r = self.recipe
@@ -178,13 +183,18 @@ class VLLMWriter(Writer):
 def _scheme(args: dict | None) -> QuantScheme | None:
     if not args:
         return None
+    dynamic = args.get("dynamic", False)
+    block = args.get("block_structure")
     return QuantScheme(num_bits=args["num_bits"], type=args.get("type", "int"), symmetric=args.get("symmetric", True),
                        strategy=args.get("strategy") or "tensor", group_size=args.get("group_size"),
-                       dynamic=bool(args.get("dynamic", False)))
+                       dynamic=dynamic if dynamic == LOCAL else bool(dynamic),
+                       block_structure=tuple(block) if block else None,
+                       scale_dtype="e8m0" if args.get("scale_dtype") in ("torch.uint8", "uint8") else None)
 
 
 QUANT_SUFFIXES = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_zero_point", ".weight_g_idx",
-                  ".input_scale", ".input_zero_point", ".k_scale", ".v_scale")
+                  ".weight_global_scale", ".input_scale", ".input_global_scale", ".input_zero_point",
+                  ".k_scale", ".v_scale")
 
 
 @register_reader
@@ -252,6 +262,8 @@ class CompressedTensorsCheckpoint(Checkpoint):
         s, fmt = scheme.weights, self.format_of(module)
         out_f, in_f = shape
         problems: list[str] = []
+        if fmt in (ct.NVFP4, ct.MXFP4, ct.MXFP8):
+            return self._check_fp4_mx(module, scheme, fmt, out_f, in_f)
         if fmt == "pack-quantized":
             per = 32 // s.num_bits if s.num_bits in (2, 4, 8) else 0
             expect_tensor(self, f"{module}.weight_packed", torch.int32, [out_f, -(-in_f // per) if per else -1], problems)
@@ -284,6 +296,29 @@ class CompressedTensorsCheckpoint(Checkpoint):
             problems.append(f"{ins} is present but the config declares {'dynamic' if scheme.activations else 'no'} activation quantization")
         return problems
 
+    def _check_fp4_mx(self, module: str, scheme: ModuleScheme, fmt: str, out_f: int, in_f: int) -> list[str]:
+        """The tensors of an NVFP4 / MXFP4 / MXFP8 module, as compressed-tensors' compressors write them."""
+        s, problems = scheme.weights, []
+        if (fmt == ct.NVFP4) != s.is_nvfp4 or (fmt in (ct.MXFP4, ct.MXFP8)) != s.is_mx:
+            return [f"{module}: config format {fmt} contradicts its weights scheme ({s.describe()})"]
+        g = s.group_size
+        if in_f % g:
+            return [f"{module}: in_features {in_f} is not a multiple of the {fmt} group of {g}"]
+        if fmt == ct.MXFP8:
+            expect_tensor(self, f"{module}.weight", (torch.float8_e4m3fn,), [out_f, in_f], problems)
+        else:
+            expect_tensor(self, f"{module}.weight_packed", (torch.uint8,), [out_f, in_f // 2], problems, " (two FP4 codes a byte)")
+        scale_dtype = torch.float8_e4m3fn if fmt == ct.NVFP4 else torch.uint8
+        expect_tensor(self, f"{module}.weight_scale", (scale_dtype,), [out_f, in_f // g], problems, f" ({s.describe()})")
+        if fmt == ct.NVFP4:
+            expect_tensor(self, f"{module}.weight_global_scale", (torch.float32,), SCALAR, problems)
+        key = f"{module}.{ct.input_scale_key(scheme)}"
+        if scheme.static_activations:
+            expect_tensor(self, key, (torch.float32,), SCALAR, problems, " (the config declares NVFP4 activations)")
+        elif self.has(key):
+            problems.append(f"{key} is present but the config declares no static activation scale")
+        return problems
+
     def format_problems(self) -> list[str]:
         out = []
         for _, scheme, fmt in self.groups:
@@ -291,7 +326,7 @@ class CompressedTensorsCheckpoint(Checkpoint):
             fmt = fmt or ct.ct_format(scheme)
             if fmt == "float-quantized" and not s.is_fp8 or fmt == "int-quantized" and s.is_fp8:
                 out.append(f"config format {fmt} contradicts its weights scheme ({s.describe()})")
-            if fmt == "pack-quantized" and (s.is_fp8 or s.num_bits not in (2, 4, 8)):
+            if fmt == "pack-quantized" and (s.type == "float" or s.num_bits not in (2, 4, 8)):
                 out.append(f"config format pack-quantized cannot hold {s.describe()} weights")
         if self.kv_cache is None:
             stray = [n for n in self.tensor_names() if n.endswith((".k_scale", ".v_scale"))]
@@ -300,7 +335,8 @@ class CompressedTensorsCheckpoint(Checkpoint):
         return out
 
     def input_scale(self, module: str) -> torch.Tensor | None:
-        n = f"{module}.input_scale"
+        scheme = self.scheme_for(module)
+        n = f"{module}.{ct.input_scale_key(scheme) if scheme is not None else 'input_scale'}"
         return self.tensor(n).float() if self.has(n) else None
 
     def kv_tensor_names(self, layer: int) -> str:

@@ -106,10 +106,11 @@ def fuse_groups(model: torch.nn.Module, modules: list[str], groups) -> int:
 
 
 def engine_weight(qt) -> torch.Tensor:
-    """The dequantized weight, (q - z) * s, computed in the dtype its scale is stored in: the model dtype
-    for int formats (as compressed-tensors and the dequantizing kernels do), float32 for fp8. float32 out."""
+    """The dequantized weight, computed in the dtype the format's spec says the engines form it in: the model dtype
+    for int formats, NVFP4, MX and FP8 blocks (as compressed-tensors and the dequantizing kernels do), float32 for
+    per-tensor / per-channel fp8. float32 out."""
     w = qt.dequantize()
-    return w if qt.scheme.is_fp8 else w.to(qt.dtype).float()
+    return w.to(qt.dtype).float() if qt.format.decodes_in_model_dtype(qt.scheme) else w
 
 
 def _qtk_attention(module, query, key, value, attention_mask, **kwargs):
@@ -206,7 +207,7 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
         lin = model.get_submodule(m)
         scheme = ckpt.scheme_for(m)
         act = scheme.activations if (simulate_activations and scheme is not None) else None
-        scale = ckpt.input_scale(m) if act is not None and not act.dynamic else None
+        scale = ckpt.input_scale(m) if act is not None and act.has_static_scale else None
         replace_module(model, m, QLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), act, scale))
     # a checkpoint of a family qtk does not convert is simulated module by module
     fuse_groups(model, modules, ckpt.arch.fusion_groups if ckpt.arch is not None else ())

@@ -64,21 +64,31 @@ def check_group_size(source, recipe: Recipe) -> None:
     group size of its scheme; refused before any work, suggesting only group sizes that divide every Linear that
     scheme covers."""
     by_group: dict[int, dict[int, str]] = {}  # group size -> in_features -> the first Linear with it
+    fixed: set[int] = set()  # group sizes a format fixes (NVFP4 16, MX 32): no other size to suggest
     for i in range(source.num_layers):
         prefix = source.layer_prefix(i)
         for t in target_linears(source, recipe, i):
             w = recipe.scheme_for(prefix + t).weights
             name = f"{prefix}{t}.weight"
-            if w.strategy != "group" or name not in source.weight_map:
+            if w.strategy not in ("group", "tensor_group", "block") or name not in source.weight_map:
                 continue  # the skeleton check names missing tensors
             shape = source.shape(name)
-            if len(shape) == 2:
-                by_group.setdefault(w.group_size, {}).setdefault(int(shape[1]), prefix + t)
+            if len(shape) != 2:
+                continue
+            if w.strategy == "block":
+                _check_blocks(prefix + t, [int(x) for x in shape], w)
+                continue
+            if w.type == "float":
+                fixed.add(w.group_size)
+            by_group.setdefault(w.group_size, {}).setdefault(int(shape[1]), prefix + t)
     for group_size, sizes in by_group.items():
         bad = {n: m for n, m in sizes.items() if n % group_size}
         if not bad:
             continue
         n, m = min(bad.items())
+        if group_size in fixed:
+            raise UsageError(f"the FP4/MX groups of {group_size} do not divide in_features {n} of {m}",
+                             "ignore the Linears that do not fit (recipe ignore:), or use an int recipe")
         common = math.gcd(*sizes)
         fits = [g for g in GROUP_SIZES if common % g == 0 and g != group_size][:2]
         fix = (f"use group_size {' or '.join(map(str, fits))} (they divide every quantized Linear's input size: "
@@ -86,3 +96,15 @@ def check_group_size(source, recipe: Recipe) -> None:
                f"no group size of {', '.join(map(str, GROUP_SIZES))} divides every input size ({', '.join(map(str, sorted(sizes)))}): "
                "use strategy: channel, or ignore the Linears that do not fit")
         raise UsageError(f"group_size {group_size} does not divide in_features {n} of {m}", fix)
+
+
+def _check_blocks(module: str, shape: list[int], w) -> None:
+    """FP8 blocks must tile the weight: vLLM refuses a fused part or a shard that is not a multiple of the block
+    (validate_fp8_block_shape) and transformers' FP8 loader derives the block from the scale grid, so a ragged
+    weight would decode wrong there."""
+    bm, bn = w.block_structure
+    out_f, in_f = shape
+    if out_f % bm or in_f % bn:
+        raise UsageError(f"FP8 blocks of {bm}x{bn} do not tile {module} ([{out_f}, {in_f}]): vLLM refuses ragged "
+                         "blocks", "ignore the Linears that do not fit (recipe ignore:), or use fp8-dynamic "
+                         "(per-channel FP8, any shape)")

@@ -5,7 +5,8 @@ never by name. Every weight scheme is tried with and without an 8-bit KV cache, 
 as a combination (say INT4 weights + FP8 KV) is found and written out as a recipe file. Order: compress the
 weights first (8-bit), then the KV cache, then 4-bit weights; the first class with a recipe that fits with
 headroom wins, and within a class the more accurate, better-supported recipe. FP8 is only considered on
-GPUs with FP8 tensor cores.
+GPUs with FP8 tensor cores, FP4 (NVFP4, MXFP4) only on Blackwell's FP4 tensor cores, W4A8-FP8 only on Hopper
+(vLLM's kernel is SM90-only): FP4 on Blackwell, FP8 on Hopper / Ada, INT8 / INT4 on Ampere.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from qtk.plan.deployment import Deployment, check_deployment, evaluate
 DEFAULT_MIN_HEADROOM = 0.10  # of the budget: the activation and overhead figures are estimates
 CALIBRATED = ("gptq", "awq", "smoothquant")
 RISKY_WORKLOADS = ("math", "code")
-GRANULARITY = {"group": 0, "channel": 1, "tensor": 2}
+GRANULARITY = {"group": 0, "tensor_group": 0, "block": 1, "channel": 1, "tensor": 2}
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class RecipeClass:
 
     weight_bits: int
     fp8: bool  # FP8 weights or activations: needs FP8 tensor cores
+    fp4: bool  # FP4 weights or activations (NVFP4, MXFP4): needs Blackwell's FP4 tensor cores
+    w4a8: bool  # int4 weights with FP8 activations: vLLM runs it on Hopper only
     kv8: bool
     weight_only: bool
     calibrated: str | None  # the calibrating step (gptq/awq/smoothquant), None for round-to-nearest
@@ -38,10 +41,12 @@ class RecipeClass:
 
     @classmethod
     def of(cls, recipe) -> "RecipeClass":
-        w = recipe.weights
+        w, a = recipe.weights, recipe.activations
         return cls(
             weight_bits=w.num_bits,
-            fp8=w.type == "float" or (recipe.activations is not None and recipe.activations.type == "float"),
+            fp8=w.is_fp8 or (a is not None and a.is_fp8),
+            fp4=w.is_fp4 or (a is not None and a.is_fp4),
+            w4a8=w.type == "int" and a is not None and a.is_fp8,
             kv8=recipe.kv_cache is not None,
             weight_only=recipe.activations is None,
             calibrated=next((s for s in recipe.step_names if s in CALIBRATED), None),
@@ -57,7 +62,8 @@ class RecipeClass:
 
     def preference(self) -> tuple:
         """Within a tier (same memory class), smaller is better."""
-        return (0 if self.fp8 else 1, 0 if self.calibrated else 1, 0 if self.weight_only else 1,
+        # float weights (FP8, FP4) run natively where they are allowed at all, and keep more precision than int
+        return (0 if (self.fp8 or self.fp4) and not self.w4a8 else 1, 0 if self.calibrated else 1, 0 if self.weight_only else 1,
                 self.granularity, 0 if self.symmetric else 1, 1 if self.static_activations else 0)
 
 
@@ -186,13 +192,31 @@ def kv_variants(recipes: Mapping[str, object], gpu) -> list[tuple[str, object, s
     return out
 
 
+def untiled(s: ModelShape, recipe) -> str | None:
+    """The first quantized Linear (name [out, in]) whose shape the recipe's FP8 blocks do not tile, or None."""
+    from qtk.plan.memory import model_tensors, scheme_of
+
+    for t in model_tensors(s):
+        if t.role != "linear":
+            continue
+        m = scheme_of(recipe, t.name)
+        if m is not None and m.weights.strategy == "block":
+            bm, bn = m.weights.block_structure
+            if t.shape[0] % bm or t.shape[1] % bn:
+                return f"{t.name} {list(t.shape)}"
+    return None
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
 def _why_lower(c: RecipeClass, best: RecipeClass, best_name: str, gpu_label: str) -> str:
     """One line on why a recipe of the same memory class ranks below the chosen one."""
-    if best.fp8 and not c.fp8:
+    if best.fp4 and not c.fp4:
+        return (f"same memory class as {best_name}; FP4 (NVFP4) runs natively on {gpu_label}'s FP4 tensor cores and its "
+                "16-element FP8-scaled groups keep more precision than INT4 groups of 128")
+    if best.fp8 and not best.w4a8 and not c.fp8:
         return f"same memory class as {best_name}; FP8 runs natively on {gpu_label} and keeps more precision than INT8"
     if best.calibrated and not c.calibrated:
         return f"same memory class as {best_name}, which calibrates ({best.calibrated}) where this rounds to nearest"
@@ -226,10 +250,19 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
         k = RecipeClass.of(r)
         w, m = evaluate(s, r, dep)
         c = Candidate(name, r, klass=k, weights=w, memory=m, derived_from=parent)
-        if k.fp8 and not gpu.fp8:
+        if k.fp4 and not gpu.fp4:
+            c.status = "excluded"
+            c.reason = f"FP4 needs Blackwell's FP4 tensor cores (B200, RTX 50); {gpu.label} ({gpu.generation}) has none"
+        elif k.fp8 and not gpu.fp8:
             c.status = "excluded"
             c.reason = (f"FP8 needs FP8 tensor cores (Ada, Hopper, Blackwell, MI300); {gpu.label} ({gpu.generation}) "
                         "has none")
+        elif k.w4a8 and not gpu.w4a8_fp8:
+            c.status = "excluded"
+            c.reason = f"W4A8-FP8 runs in vLLM on Hopper only (SM90 CUTLASS kernel); {gpu.label} is {gpu.generation}"
+        elif untiled(s, r):
+            c.status = "excluded"
+            c.reason = f"FP8 blocks do not tile {untiled(s, r)} (vLLM and qtk refuse ragged blocks)"
         elif not m.fits:
             c.status = "no-fit"
             c.reason = f"does not fit: needs {m.needed / GB:.1f} GB per GPU of {m.budget / GB:.1f} GB"
@@ -256,11 +289,13 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
     best = ok[0]
     best.status = "chosen"
     k = best.klass
-    wdesc = "FP8" if best.recipe.weights.type == "float" else f"INT{k.weight_bits}"
+    wdesc = ("NVFP4" if best.recipe.weights.is_nvfp4 else "MXFP4" if best.recipe.weights.is_mx and k.weight_bits == 4
+             else f"FP{k.weight_bits}" if best.recipe.weights.type == "float" else f"INT{k.weight_bits}")
     best.reason = (f"{wdesc} weights{' + 8-bit KV cache' if k.kv8 else ''} fit with {_pct(best.memory.headroom_fraction)} "
                    f"headroom ({best.memory.needed / GB:.1f} of {best.memory.budget / GB:.1f} GB per GPU); "
                    + (f"the unquantized model also fits ({_pct(base.headroom_fraction)} headroom)" if base.fits
-                      else "the unquantized model does not fit"))
+                      else "the unquantized model does not fit")
+                   + (f"; FP4 runs natively on {gpu.label}'s FP4 tensor cores" if k.fp4 else ""))
     for c in ok[1:]:
         c.status = "passed"
         if c.klass.weight_bits < k.weight_bits:
@@ -272,7 +307,7 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
 
     warnings = []
     if k.weight_bits < 8:
-        warnings.append(f"INT{k.weight_bits} weights are risky for math/code workloads: gate {best.name} with qtk eval "
+        warnings.append(f"{wdesc} weights are risky for math/code workloads: gate {best.name} with qtk eval "
                         "on your tasks before serving")
         if workload in RISKY_WORKLOADS:
             warnings.append(f"--workload {workload}: consider an 8-bit recipe on more GPUs (--tp {dep.tp * 2}) instead")

@@ -90,4 +90,6 @@ def evaluate(s: ModelShape, recipe, dep: Deployment) -> tuple[WeightBytes, Memor
 
 def activation_type(recipe) -> str | None:
     """GEMM input type the engine runs: fp8 / int8 when activations are quantized, else 16-bit."""
-    return recipe.activations.type if recipe is not None and recipe.activations is not None else None
+    if recipe is None or recipe.activations is None:
+        return None
+    return "fp4" if recipe.activations.is_fp4 else recipe.activations.type

@@ -1,4 +1,9 @@
-"""GPU table for planning: memory, bandwidth, peak tensor throughput, FP8 support, typical price.
+"""GPU table for planning: memory, bandwidth, peak tensor throughput, FP8 / FP4 support, typical price.
+
+Native number formats by generation (what vLLM and TensorRT-LLM run in tensor cores, not emulated):
+Ampere / Turing: INT8, INT4 (weight-only kernels); Ada, Hopper: + FP8, incl. 128x128 FP8 blocks (DeepGEMM /
+CUTLASS on Hopper, Triton on Ada); Hopper: + W4A8-FP8 (CUTLASS, SM90 only); Blackwell: + FP4 (NVFP4 and MXFP4:
+block-scaled FP4 tensor cores). MI300 (CDNA3): FP8, no FP4.
 
 Data, not logic. Memory is the total the driver reports (nvidia-smi / rocm-smi `memory.total`),
 because that is what vLLM multiplies by --gpu-memory-utilization. Throughput figures are dense
@@ -33,14 +38,26 @@ class GPU:
     generation: str
     bf16: bool = True
     base: str | None = None  # a custom GPU: the listed GPU its unstated figures come from
+    fp4_tflops: float | None = None  # dense NVFP4 / MXFP4; None: no FP4 tensor cores (before Blackwell)
 
     @property
     def fp8(self) -> bool:
         return self.fp8_tflops is not None
 
+    @property
+    def fp4(self) -> bool:
+        return self.fp4_tflops is not None
+
+    @property
+    def w4a8_fp8(self) -> bool:
+        """vLLM's W4A8-FP8 kernel (CUTLASS) is built for SM90 (Hopper) only."""
+        return self.generation == "Hopper"
+
     def peak_flops(self, activation_type: str | None) -> float:
-        """Dense peak for the GEMM input type: 'float' (fp8), 'int' (int8) or None (bf16/fp16)."""
-        if activation_type == "float" and self.fp8_tflops:
+        """Dense peak for the GEMM input type: 'fp4' (NVFP4), 'float' (fp8), 'int' (int8) or None (bf16/fp16)."""
+        if activation_type == "fp4" and self.fp4_tflops:
+            return self.fp4_tflops * 1e12
+        if activation_type in ("float", "fp4") and self.fp8_tflops:
             return self.fp8_tflops * 1e12
         if activation_type == "int" and self.int8_tops:
             return self.int8_tops * 1e12
@@ -51,6 +68,7 @@ class GPU:
             "name": self.name, "label": self.label, "mem_bytes": self.mem_bytes,
             "bandwidth_bytes_per_s": self.bandwidth, "bf16_tflops": self.bf16_tflops,
             "int8_tops": self.int8_tops, "fp8_tflops": self.fp8_tflops, "fp8": self.fp8,
+            "fp4_tflops": self.fp4_tflops, "fp4": self.fp4,
             "price_per_hour": self.price_per_hour, "interconnect": self.interconnect,
             "generation": self.generation, "base": self.base,
         }
@@ -66,12 +84,12 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
     _gpu("h100-sxm", "H100 80GB SXM", 81559, 3.35, 989, 1979, 1979, 2.49, "nvlink", "Hopper"),
     _gpu("h100-pcie", "H100 80GB PCIe", 81559, 2.0, 756, 1513, 1513, 2.19, "pcie", "Hopper"),
     _gpu("h200", "H200 141GB SXM", 143771, 4.8, 989, 1979, 1979, 3.49, "nvlink", "Hopper"),
-    _gpu("b200", "B200 180GB", 183359, 8.0, 2250, 4500, 4500, 5.99, "nvlink", "Blackwell"),
+    _gpu("b200", "B200 180GB", 183359, 8.0, 2250, 4500, 4500, 5.99, "nvlink", "Blackwell", fp4_tflops=9000),
     _gpu("l4", "L4 24GB", 23034, 0.3, 121, 242, 242, 0.80, "pcie", "Ada"),
     # Turing: no bf16 and no FP8; engines serve it in fp16 (same bytes, so sizes are unchanged)
     _gpu("t4", "T4 16GB", 15360, 0.32, 65, 130, None, 0.35, "pcie", "Turing", bf16=False),
     _gpu("rtx-4090", "RTX 4090 24GB", 24564, 1.008, 165, 661, 330, 0.40, "pcie", "Ada"),
-    _gpu("rtx-5090", "RTX 5090 32GB", 32607, 1.792, 209, 838, 419, 0.70, "pcie", "Blackwell"),
+    _gpu("rtx-5090", "RTX 5090 32GB", 32607, 1.792, 209, 838, 419, 0.70, "pcie", "Blackwell", fp4_tflops=1676),
     _gpu("mi300x", "MI300X 192GB", 196608, 5.3, 1307, 2615, 2615, 2.50, "xgmi", "CDNA3"),
 )}
 

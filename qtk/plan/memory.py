@@ -17,7 +17,7 @@ from typing import Iterable, Mapping
 from qtk.errors import UsageError
 from qtk.model.arch import TRAITS, Traits
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "int32": 4, "int64": 8}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 # vLLM V1's default chunked-prefill budget: the activation peak is profiled with this many tokens
@@ -365,9 +365,14 @@ def checkpoint_format(scheme) -> str | None:
     """compressed-tensors format of a Linear with this ModuleScheme (None: no scheme, dense)."""
     if scheme is None:
         return None
-    if scheme.weights.type == "float":
+    w, a = scheme.weights, scheme.activations
+    if w.is_nvfp4:
+        return "nvfp4-pack-quantized"
+    if w.is_mx:
+        return "mxfp4-pack-quantized" if w.num_bits == 4 else "mxfp8-quantized"
+    if w.type == "float":
         return "float-quantized"
-    return "int-quantized" if scheme.activations is not None else "pack-quantized"
+    return "int-quantized" if a is not None and not a.is_fp8 else "pack-quantized"  # W4A8-FP8 stays packed
 
 
 def _quantized_linear(spec: TensorSpec, scheme, dtype: str) -> list[DiskTensor]:
@@ -384,6 +389,23 @@ def _quantized_linear(spec: TensorSpec, scheme, dtype: str) -> list[DiskTensor]:
         groups = 1
     scale_shape = (1,) if groups is None else (out, groups)
     ts: list[DiskTensor] = []
+    if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized"):  # FP4 codes two a byte
+        if fmt == "mxfp8-quantized":
+            ts.append(DiskTensor(f"{n}.weight", (out, inn), "float8_e4m3fn", "quantized", c))
+        else:
+            ts.append(DiskTensor(f"{n}.weight_packed", (out, inn // 2), "uint8", "quantized", c))
+        nv = fmt == "nvfp4-pack-quantized"
+        ts.append(DiskTensor(f"{n}.weight_scale", (out, inn // w.group_size), "float8_e4m3fn" if nv else "uint8", "scales", c))
+        if nv:
+            ts.append(DiskTensor(f"{n}.weight_global_scale", (1,), "float32", "scales", c))
+            if scheme.static_activations:
+                ts.append(DiskTensor(f"{n}.input_global_scale", (1,), "float32", "scales", c))
+        return ts
+    if w.strategy == "block":
+        bm, bn = w.block_structure
+        ts.append(DiskTensor(f"{n}.weight", (out, inn), "float8_e4m3fn", "quantized", c))
+        ts.append(DiskTensor(f"{n}.weight_scale", (-(-out // bm), -(-inn // bn)), dtype, "scales", c))
+        return ts
     if fmt == "float-quantized":
         ts.append(DiskTensor(f"{n}.weight", (out, inn), "float8_e4m3fn", "quantized", c))
         ts.append(DiskTensor(f"{n}.weight_scale", scale_shape, "float32", "scales", c))

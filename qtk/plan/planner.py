@@ -61,9 +61,16 @@ class Plan:
 def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan, *, recommended: bool = False) -> list[str]:
     """Warnings a reader should see next to the numbers (the INT4 one comes from the decision when recommended)."""
     notes = list(s.notes)
-    if recipe is not None and (recipe.weights.type == "float" or activation_type(recipe) == "float") and not dep.gpu.fp8:
+    fp4 = recipe is not None and (recipe.weights.is_fp4 or activation_type(recipe) == "fp4")
+    if fp4 and not dep.gpu.fp4:
+        notes.append(f"FP4 recipe on {dep.gpu.label}: FP4 tensor cores are Blackwell's ({dep.gpu.generation} has none); "
+                     "vLLM falls back to weight-only FP4 Marlin kernels (activations unquantized) or refuses — "
+                     "prefer an FP8 or INT4 recipe")
+    elif recipe is not None and (recipe.weights.type == "float" or activation_type(recipe) == "float") and not dep.gpu.fp8:
         notes.append(f"FP8 recipe on {dep.gpu.label}: no FP8 tensor cores ({dep.gpu.generation}); engines fall back "
                      "to slower weight-only kernels or refuse — prefer an INT8 recipe")
+    if recipe is not None and activation_type(recipe) == "float" and recipe.weights.type == "int" and not dep.gpu.w4a8_fp8:
+        notes.append(f"W4A8-FP8 on {dep.gpu.label}: vLLM's W4A8-FP8 kernel is Hopper-only (SM90) — prefer w4a16-gptq")
     if recipe is not None and recipe.weights.num_bits < 8 and not recommended:
         notes.append(f"INT{recipe.weights.num_bits} weights are risky for math/code workloads: gate the checkpoint with qtk eval")
     if s.max_position and dep.context > s.max_position:

@@ -21,6 +21,30 @@ def kv_cache_dtype_flag(recipe) -> str:
     return "fp8" if recipe is not None and recipe.kv_cache is not None else "auto"
 
 
+def hardware_notes(recipe, gpu) -> list[str]:
+    """Where the issue-14 formats run natively (hardware.py's table), against the planned GPU."""
+    if recipe is None:
+        return []
+    w, a = recipe.weights, recipe.activations
+    out = []
+    if w.is_fp4 or (a is not None and a.is_fp4):
+        kind = "NVFP4" if w.is_nvfp4 else "MXFP4"
+        if gpu.fp4:
+            out.append(f"{kind} runs natively on {gpu.label}'s FP4 tensor cores (vLLM: compressed-tensors "
+                       f"{'W4A4' if a is not None else 'W4A16'} FP4 kernels)")
+        else:
+            out.append(f"{kind} needs Blackwell's FP4 tensor cores (B200, RTX 50) to run natively; on {gpu.label} "
+                       "vLLM falls back to weight-only FP4 Marlin kernels (activations unquantized) where it runs at all")
+    if w.strategy == "block":
+        out.append("FP8 blocks run in vLLM's block-scaled FP8 kernels (DeepGEMM / CUTLASS on Hopper and Blackwell, "
+                   "Triton on Ada); every quantized Linear and each tensor-parallel shard must stay a multiple of 128"
+                   + ("" if gpu.fp8 else f"; {gpu.label} has no FP8 tensor cores"))
+    if w.type == "int" and a is not None and a.is_fp8:
+        out.append("W4A8-FP8 runs in vLLM's CUTLASS W4A8 kernel, Hopper (SM90) only"
+                   + ("" if gpu.w4a8_fp8 else f": {gpu.label} is {gpu.generation}, serve w4a16-gptq there"))
+    return out
+
+
 def serving_commands(s: ModelShape, recipe, m: MemoryPlan, dep, *, model_path: str = "CHECKPOINT",
                      trtllm_checkpoint: str = "TRTLLM_CHECKPOINT", engine_dir: str = "ENGINE_DIR") -> dict:
     """The flags for vLLM and TensorRT-LLM at the plan's concurrency (or the most that fits)."""
@@ -52,6 +76,7 @@ def serving_commands(s: ModelShape, recipe, m: MemoryPlan, dep, *, model_path: s
                      "cache from the checkpoint's kv_cache_quant_algo")
         if recipe.kv_cache.is_fp8 and not dep.gpu.fp8:
             notes.append(f"TensorRT-LLM has no FP8 KV cache on {dep.gpu.label}: use an INT8-KV recipe there")
+    notes.extend(hardware_notes(recipe, dep.gpu))
     if not m.fits:
         notes.append(f"the plan does not fit at {dep.concurrency} concurrent: flags use {seqs}"
                      + ("" if m.max_concurrency else " but even one request does not fit"))

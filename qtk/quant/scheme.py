@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRATEGIES = ("tensor", "channel", "group", "token")
+# tensor_group: NVFP4's groups of 16 under one per-tensor global scale; block: 2-D weight blocks (FP8 block)
+STRATEGIES = ("tensor", "channel", "group", "token", "tensor_group", "block")
 TYPES = ("int", "float")
 OBSERVERS = ("minmax", "mse")
 INT_BITS = (2, 4, 8)  # packable into int32 words without straddling; engines run 4 and 8
 FP8_MAX = 448.0  # float8_e4m3fn
+FLOAT_BITS = (4, 8)  # fp4 e2m1 (NVFP4, MXFP4), fp8 e4m3
+SCALE_DTYPES = ("e8m0",)  # MX block scales: power-of-two exponents (compressed-tensors scale_dtype torch.uint8)
+LOCAL = "local"  # dynamic: "local": group scales at run time under a static global scale (NVFP4 activations)
 
 
 @dataclass(frozen=True)
@@ -25,12 +29,41 @@ class QuantScheme:
     symmetric: bool = True
     strategy: str = "channel"
     group_size: int | None = None
-    dynamic: bool = False
+    dynamic: bool | str = False  # True, False or LOCAL
     observer: str = "minmax"
+    block_structure: tuple[int, int] | None = None  # strategy block: [rows, cols] of a weight block
+    scale_dtype: str | None = None  # None: the format's own (model dtype, float32, fp8 for NVFP4); "e8m0" for MX
 
     @property
     def is_fp8(self) -> bool:
-        return self.type == "float"
+        return self.type == "float" and self.num_bits == 8
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.type == "float" and self.num_bits == 4
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.is_fp4 and self.strategy == "tensor_group"
+
+    @property
+    def is_mx(self) -> bool:
+        return self.type == "float" and self.scale_dtype == "e8m0"
+
+    @property
+    def has_static_scale(self) -> bool:
+        """Whether quantizing this tensor at run time needs a calibrated scale: static schemes, and NVFP4's
+        dynamic "local" group scales under a static global scale."""
+        return self.dynamic is False or self.dynamic == LOCAL
+
+    @property
+    def column_group(self) -> int | None:
+        """How many consecutive input columns share one scale (None: all of them, per tensor or channel)."""
+        if self.strategy in ("group", "tensor_group"):
+            return self.group_size
+        if self.strategy == "block":
+            return self.block_structure[1]
+        return None
 
     @property
     def qmin(self) -> int:
@@ -45,8 +78,17 @@ class QuantScheme:
         return self.strategy == "tensor" and not self.dynamic
 
     def describe(self) -> str:
-        t = f"fp{self.num_bits}" if self.is_fp8 else f"int{self.num_bits}"
-        s = f"group{self.group_size}" if self.strategy == "group" else self.strategy
+        if self.is_nvfp4:
+            return "nvfp4 group16" + (" dynamic-local" if self.dynamic == LOCAL else "")
+        if self.is_mx:
+            return f"mxfp{self.num_bits} group{self.group_size}" + (" dynamic" if self.dynamic else "")
+        t = f"fp{self.num_bits}" if self.type == "float" else f"int{self.num_bits}"
+        if self.strategy == "group":
+            s = f"group{self.group_size}"
+        elif self.strategy == "block":
+            s = "block{}x{}".format(*self.block_structure)
+        else:
+            s = self.strategy
         parts = [t, s, "sym" if self.symmetric else "asym"]
         if self.dynamic:
             parts.append("dynamic")

@@ -35,7 +35,7 @@ class ModuleScheme:
 
     @property
     def static_activations(self) -> bool:
-        return self.activations is not None and not self.activations.dynamic
+        return self.activations is not None and self.activations.has_static_scale
 
     def describe(self) -> str:
         return f"W: {self.weights.describe()}, A: {self.activations.describe() if self.activations else '16-bit'}"

@@ -11,9 +11,38 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from qtk.errors import UsageError
-from qtk.quant.scheme import FP8_MAX, INT_BITS, OBSERVERS, STRATEGIES, TYPES, QuantScheme  # noqa: F401 (re-exported)
+from qtk.quant.scheme import (FP8_MAX, INT_BITS, LOCAL, OBSERVERS, SCALE_DTYPES, STRATEGIES, TYPES,  # noqa: F401
+                              QuantScheme)
 from qtk.recipe.rules import ModuleScheme, Override, matches
 from qtk.validation import check_keys, suggest_key, typed  # noqa: F401 (re-exported)
+
+def _dynamic(d: Mapping, where: str) -> bool | str:
+    v = d.get("dynamic", False)
+    if v is None:
+        return False
+    if isinstance(v, bool) or v == LOCAL:
+        return v
+    raise UsageError(f"{where}.dynamic: expected true, false or 'local', got {v!r}",
+                     "use dynamic: true (run-time scales), false (calibrated) or 'local' (NVFP4 activations)")
+
+
+def _block_structure(d: Mapping, where: str) -> tuple[int, int] | None:
+    v = d.get("block_structure")
+    if v is None:
+        return None
+    if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)):
+        raise UsageError(f"{where}.block_structure: expected [rows, cols] of positive integers, got {v!r}",
+                         "use block_structure: [128, 128]")
+    return (v[0], v[1])
+
+
+def _scale_dtype(d: Mapping, where: str) -> str | None:
+    v = typed(d, "scale_dtype", str, where)
+    if v in (None, "e8m0", "torch.uint8", "uint8"):  # compressed-tensors spells MX scales torch.uint8
+        return None if v is None else "e8m0"
+    raise UsageError(f"{where}.scale_dtype: {v!r} is not a scale dtype qtk writes",
+                     "use scale_dtype: e8m0 (MX formats) or drop it (the format's own scale dtype)")
+
 
 def parse_scheme(d: Mapping, where: str, role: str) -> QuantScheme:
     """A QuantScheme from a recipe mapping, validated for its role (weights | activations | kv_cache)."""
@@ -26,11 +55,39 @@ def parse_scheme(d: Mapping, where: str, role: str) -> QuantScheme:
         symmetric=typed(d, "symmetric", bool, where, True),
         strategy=typed(d, "strategy", str, where, "tensor" if role == "kv_cache" else "channel"),
         group_size=typed(d, "group_size", int, where),
-        dynamic=typed(d, "dynamic", bool, where, False),
+        dynamic=_dynamic(d, where),
         observer=typed(d, "observer", str, where, "minmax"),
+        block_structure=_block_structure(d, where),
+        scale_dtype=_scale_dtype(d, where),
     )
     validate_scheme(s, where, role)
     return s
+
+
+def _validate_float(s: QuantScheme, where: str, role: str) -> None:
+    """Float schemes: fp8 e4m3 per tensor / channel / token, in 128x128 blocks or per token group (FP8 block);
+    fp4 e2m1 as NVFP4 (tensor_group 16) or MXFP4 (group 32, e8m0); MXFP8 (fp8, group 32, e8m0)."""
+    if s.num_bits not in (4, 8):
+        raise UsageError(f"{where}.num_bits: float quantization is fp8 (e4m3) or fp4 (e2m1), got {s.num_bits}",
+                         "set num_bits: 8 or 4")
+    if not s.symmetric:
+        raise UsageError(f"{where}.symmetric: float formats have no zero point, asymmetric {s.describe().split()[0]} is impossible",
+                         "set symmetric: true")
+    if s.scale_dtype == "e8m0":  # MXFP4 / MXFP8
+        if s.strategy != "group" or s.group_size != 32:
+            raise UsageError(f"{where}: MX formats (scale_dtype e8m0) scale blocks of 32", "use strategy: group, group_size: 32")
+        return
+    if s.num_bits == 4:
+        if s.strategy != "tensor_group" or s.group_size != 16:
+            raise UsageError(f"{where}: fp4 is NVFP4 (groups of 16 under a global scale) or MXFP4 (groups of 32, e8m0 scales)",
+                             "use 'strategy: tensor_group, group_size: 16' (NVFP4) or "
+                             "'strategy: group, group_size: 32, scale_dtype: e8m0' (MXFP4)")
+        return
+    if s.strategy == "tensor_group":
+        raise UsageError(f"{where}.strategy: tensor_group is NVFP4's (fp4)", "set num_bits: 4 or use strategy: block / channel")
+    if s.strategy == "group" and not (role == "activations" and s.dynamic is True):
+        raise UsageError(f"{where}.strategy: group-wise fp8 is not supported by the target engines (except dynamic "
+                         "per-token-group activations of FP8 block)", "use strategy: channel, tensor or block")
 
 
 def validate_scheme(s: QuantScheme, where: str, role: str) -> None:
@@ -41,21 +98,33 @@ def validate_scheme(s: QuantScheme, where: str, role: str) -> None:
         raise UsageError(f"{where}.strategy: unknown strategy {s.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
     if s.observer not in OBSERVERS:
         raise UsageError(f"{where}.observer: unknown observer {s.observer!r}", f"use one of {', '.join(OBSERVERS)}")
-    if s.is_fp8:
-        if s.num_bits != 8:
-            raise UsageError(f"{where}.num_bits: float quantization is fp8 (e4m3) only, got {s.num_bits}", "set num_bits: 8")
-        if not s.symmetric:
-            raise UsageError(f"{where}.symmetric: fp8 has no zero point, asymmetric fp8 is impossible", "set symmetric: true")
-        if s.strategy == "group":
-            raise UsageError(f"{where}.strategy: group-wise fp8 is not supported by the target engines", "use strategy: channel or tensor")
+    if s.scale_dtype is not None and s.type != "float":
+        raise UsageError(f"{where}.scale_dtype: e8m0 scales are for the MX float formats", "drop scale_dtype or set type: float")
+    if s.strategy == "block":
+        if s.block_structure is None:
+            raise UsageError(f"{where}.block_structure: strategy 'block' needs the block shape", "add 'block_structure: [128, 128]'")
+        if not s.is_fp8 or role != "weights":
+            raise UsageError(f"{where}.strategy: 'block' is for fp8 weights (FP8 block)", "use type: float, num_bits: 8 on weights")
+    elif s.block_structure is not None:
+        raise UsageError(f"{where}.block_structure: only meaningful with strategy 'block'", "remove block_structure or set strategy: block")
+    if s.dynamic == LOCAL and not (s.is_nvfp4 and role == "activations"):
+        raise UsageError(f"{where}.dynamic: 'local' (run-time group scales under a static global scale) is for NVFP4 activations",
+                         "use dynamic: true or false")
+    if s.type == "float":
+        _validate_float(s, where, role)
+        if s.observer == "mse" and (s.num_bits == 4 or s.strategy == "block"):
+            raise UsageError(f"{where}.observer: the mse observer searches int / fp8 per-channel grids only",
+                             "use observer: minmax")
     elif s.num_bits not in INT_BITS:
         raise UsageError(f"{where}.num_bits: int{s.num_bits} is not supported", f"use one of {', '.join(map(str, INT_BITS))}")
-    if s.strategy == "group":
+    elif s.strategy == "tensor_group":
+        raise UsageError(f"{where}.strategy: tensor_group is NVFP4's (fp4)", "use strategy: group for int weights")
+    if s.strategy in ("group", "tensor_group"):
         if not s.group_size or s.group_size <= 0:
             raise UsageError(f"{where}.group_size: strategy 'group' needs a positive group_size", "add e.g. 'group_size: 128'")
     elif s.group_size is not None:
         raise UsageError(f"{where}.group_size: only meaningful with strategy 'group'", "remove group_size or set strategy: group")
-    if s.strategy == "token" and not s.dynamic:
+    if s.strategy == "token" and s.dynamic is not True:
         raise UsageError(f"{where}.strategy: per-token scales are computed at run time", "set dynamic: true")
     if role == "weights":
         if s.dynamic:
@@ -63,9 +132,17 @@ def validate_scheme(s: QuantScheme, where: str, role: str) -> None:
         if s.strategy == "token":
             raise UsageError(f"{where}.strategy: 'token' is for activations", "use channel, group or tensor for weights")
     if role == "activations":
-        if s.strategy not in ("tensor", "token"):
-            raise UsageError(f"{where}.strategy: activations are quantized per tensor or per token", "use strategy: tensor or token")
-        if s.num_bits != 8:
+        fp4_act = s.is_nvfp4 and s.dynamic == LOCAL
+        group_act = s.is_fp8 and s.strategy == "group" and s.dynamic is True and s.scale_dtype is None
+        if s.is_nvfp4 and not fp4_act:
+            raise UsageError(f"{where}.dynamic: NVFP4 activations take group scales at run time under a calibrated global "
+                             "scale", "set dynamic: local")
+        if s.is_mx:
+            raise UsageError(f"{where}: MX activations are not written by qtk's targets", "drop activations (mxfp4-a16)")
+        if s.strategy not in ("tensor", "token") and not (fp4_act or group_act):
+            raise UsageError(f"{where}.strategy: activations are quantized per tensor or per token (or per token "
+                             "group: NVFP4, FP8 block)", "use strategy: tensor or token")
+        if s.num_bits != 8 and not fp4_act:
             raise UsageError(f"{where}.num_bits: {s.num_bits}-bit activations have no kernel in vLLM or TensorRT-LLM", "use num_bits: 8 or drop activations")
         if not s.symmetric and s.is_fp8:
             raise UsageError(f"{where}.symmetric: fp8 activations are symmetric", "set symmetric: true")
@@ -190,7 +267,7 @@ class Recipe:
     @property
     def writes_g_idx(self) -> bool:
         """GPTQ with actorder group on group-wise weights: each Linear carries a g_idx (groups in permuted order)."""
-        return self.gptq_actorder == "group" and any(m.weights.strategy == "group" for m in self.schemes)
+        return self.gptq_actorder == "group" and any(m.weights.strategy in ("group", "tensor_group") for m in self.schemes)
 
     def summary(self) -> str:
         parts = [f"W: {self.weights.describe()}"]
@@ -270,8 +347,33 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
 
 
 def _check_pair(weights: QuantScheme, activations: QuantScheme | None, where: str) -> None:
-    """Weights and activations that one kernel can run together."""
+    """Weights and activations that one kernel can run together: W8A8 (int with int, fp8 with fp8), NVFP4 with NVFP4
+    (W4A4), FP8 blocks with per-token-group FP8, int4 groups with 8-bit per-token activations (W4A8)."""
     if activations is None:
+        return
+    w, a = weights, activations
+    if w.is_nvfp4 or a.is_nvfp4:
+        if not (w.is_nvfp4 and a.is_nvfp4):
+            raise UsageError(f"{where}: NVFP4 weights and activations go together (W4A4) or the weights alone (W4A16)",
+                             "use the nvfp4 or nvfp4-a16 recipe as a template")
+        return
+    if w.is_mx:
+        raise UsageError(f"{where}: MX weights with quantized activations are not written by qtk's targets",
+                         "drop activations (mxfp4-a16)")
+    a_group = a.strategy == "group"
+    if w.strategy == "block" or a_group:
+        if not (w.strategy == "block" and a_group and a.is_fp8):
+            raise UsageError(f"{where}: FP8 block weights run with dynamic FP8 activations per token group of 128, and "
+                             "only they", "use the fp8-block recipe as a template")
+        if a.group_size != w.block_structure[1]:
+            raise UsageError(f"{where}: activation groups of {a.group_size} do not match weight blocks of "
+                             f"{w.block_structure[1]} input columns", f"set activations group_size: {w.block_structure[1]}")
+        return
+    if w.type == "int" and w.num_bits == 4 and w.strategy == "group" and a.is_fp8:  # W4A8-FP8
+        if not (a.strategy == "token" and a.dynamic is True and w.symmetric and w.group_size == 128):
+            raise UsageError(f"{where}: int4 group weights run with 8-bit activations only as W4A8-FP8: symmetric "
+                             "groups of 128, FP8 activations per token, dynamic (vLLM's CompressedTensorsW4A8Fp8)",
+                             "use the w4a8-fp8 recipe as a template")
         return
     if activations.type != weights.type:
         raise UsageError(f"{where}: activations are {activations.type} but weights are {weights.type}",

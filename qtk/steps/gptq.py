@@ -98,7 +98,7 @@ def group_hessians(ctx: LayerContext, groups) -> dict[tuple[str, ...], Hessian]:
         act = ctx.group_scheme(g).activations
         if act is None:
             return hessians[g].update
-        scale = static_scale(ctx.amax[g[0]], act) if not act.dynamic else None
+        scale = static_scale(ctx.amax[g[0]], act) if act.has_static_scale else None
 
         def update(x):  # the engine multiplies W by the quantized activations
             hessians[g].update(fake_quant_activation(x, act, scale))

@@ -1,6 +1,7 @@
 """The round-to-nearest step (SOLVE): each Linear with its scheme's observer; implied when no listed step solves the
 weights (AWQ's scaled and clipped weights round to nearest). Per-tensor scales are shared inside fusion groups,
-because the engines fuse q/k/v and gate/up into one GEMM with one scale."""
+because the engines fuse q/k/v and gate/up into one GEMM with one scale; so is a format's tensor-wide part (NVFP4's
+global scale), which the engines require equal across a fused group."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
             joint = torch.cat([weights[m].float() for m in members], dim=0)
             qp = fmt.qparams(joint, scheme, dtype)
             for m in members:
+                out[m] = QTensor.of(fmt.quantize(weights[m], qp, scheme, model_dtype=dtype), qp, scheme, dtype)
+        elif len(members) > 1:  # a tensor-wide part the fused GEMM shares (NVFP4's global scale), from the joint weights
+            scheme = schemes[members[0]]
+            fmt = format_for(scheme)
+            qps = fmt.fused_qparams([weights[m] for m in members], scheme, dtype)
+            for m, qp in zip(members, qps or ()):
                 out[m] = QTensor.of(fmt.quantize(weights[m], qp, scheme, model_dtype=dtype), qp, scheme, dtype)
     for name, w in weights.items():
         if name not in out:

@@ -1,11 +1,14 @@
 """The --recommend decision tree: three deployments, the nothing-fits case, and the ordering rules."""
 
+from dataclasses import replace
+
 import pytest
-from plan_helpers import shape
+from plan_helpers import CONFIGS, shape
 
 from qtk.errors import UsageError
 from qtk.plan.decide import RecipeClass, recommend, shipped_recipes
 from qtk.plan.hardware import get_gpu
+from qtk.plan.memory import ModelShape, read_config
 from qtk.plan.planner import Deployment
 from qtk.recipe import builtin_recipes, load_recipe, parse_recipe
 
@@ -165,3 +168,42 @@ def test_classification_reads_the_schemes():
 def test_fp8_is_never_chosen_without_fp8_tensor_cores(gpu):
     d = recommend(shape("llama-3-8b"), dep(gpu, context=2048, concurrency=2))
     assert d.chosen is not None and not RecipeClass.of(d.recipe).fp8
+
+
+# ---- issue 14: FP4 on Blackwell, FP8 blocks where they tile, W4A8-FP8 on Hopper only
+
+def test_recommend_picks_nvfp4_on_blackwell_when_4_bit_is_needed_and_says_why():
+    s = ModelShape.from_config(read_config(CONFIGS / "gemma-2-27b.json"))
+    d = recommend(s, Deployment(get_gpu("rtx-5090"), context=4096, concurrency=8))
+    assert d.chosen.startswith("nvfp4-gptq")  # FP4 over INT4 at the 4-bit tier; GPTQ over RTN
+    assert "NVFP4 weights" in d.reason and "FP4 runs natively on RTX 5090 32GB's FP4 tensor cores" in d.reason
+    int4 = next(c for c in d.candidates if c.name == "w4a16-gptq+kv8")
+    assert int4.status == "passed" and "FP4 (NVFP4) runs natively" in int4.reason
+    assert next(c for c in d.candidates if c.name == "w4a8-fp8").status == "excluded"  # Hopper-only kernel
+
+
+def test_fp4_is_excluded_before_blackwell_and_w4a8_runs_on_hopper():
+    s = ModelShape.from_config(read_config(CONFIGS / "llama-3.1-70b.json"))
+    d = recommend(s, Deployment(get_gpu("h100-sxm"), context=4096, concurrency=8))
+    for c in d.candidates:
+        if c.klass is not None and c.klass.fp4:
+            assert c.status == "excluded" and "Blackwell" in c.reason, c.name
+    w4a8 = next(c for c in d.candidates if c.name == "w4a8-fp8")
+    assert w4a8.status != "excluded"
+
+
+def test_fp8_blocks_are_excluded_where_they_do_not_tile():
+    s = ModelShape.from_config(read_config(CONFIGS / "llama-3-8b.json"))
+    tiny = replace(s, kv_heads=1, head_dim=64)  # k/v of 64 rows
+    d = recommend(tiny, Deployment(get_gpu("h100-sxm"), context=4096, concurrency=8))
+    blk = next(c for c in d.candidates if c.name == "fp8-block")
+    assert blk.status == "excluded" and "do not tile" in blk.reason
+    d = recommend(s, Deployment(get_gpu("h100-sxm"), context=4096, concurrency=8))
+    assert next(c for c in d.candidates if c.name == "fp8-block").status != "excluded"
+
+
+def test_recommend_on_b200_picks_fp4_for_deepseek_v3_and_says_why():
+    s = ModelShape.from_config(read_config(CONFIGS / "deepseek-v3.json"))
+    d = recommend(s, Deployment(get_gpu("b200"), context=4096, concurrency=8, tp=4))
+    assert d.chosen == "nvfp4-gptq", d.reason
+    assert "FP4 runs natively on B200 180GB's FP4 tensor cores" in d.reason and "does not fit" in d.reason

@@ -181,8 +181,8 @@ def _ct_meta_state(name: str, recipe):
     model = meta_model(name)
     qc = QuantizationConfig.model_validate({
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": ct_args(recipe.weights),
-                                      "input_activations": ct_args(recipe.activations) if recipe.activations else None,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": ct_args(recipe.weights, None, fmt),
+                                      "input_activations": ct_args(recipe.activations, None, fmt) if recipe.activations else None,
                                       "format": fmt}},
         "ignore": list(recipe.ignore)})
     apply_quantization_config(model, qc)
@@ -207,7 +207,7 @@ def test_checkpoint_layout_matches_compressed_tensors(name, recipe):
     assert all(mine[k] == ((1,), "float32") for k in kv)
     assert {k: v[0] for k, v in mine.items() if k not in kv} == {k: v[0] for k, v in ct.items()}
     for k, (_, dt) in ct.items():
-        if k.endswith("input_scale") or (k.endswith("weight_scale") and r.weights.type == "float"):
+        if k.endswith("input_scale") or (k.endswith("weight_scale") and r.weights.is_fp8 and r.weights.strategy != "block"):
             # qtk writes fp8 weight scales and activation scales in float32 (docs/formats.md, vllm);
             # compressed-tensors initialises them in the model dtype
             assert mine[k][1] == "float32", k

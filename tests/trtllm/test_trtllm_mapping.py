@@ -100,7 +100,9 @@ def test_every_builtin_recipe_maps_or_names_the_fix(name):
     try:
         q = trtllm_quant(load_recipe(name))
     except UsageError as e:
-        assert e.fix
+        # the issue-14 formats qtk does not write for TensorRT-LLM are refused without a fix of the mapping's own:
+        # qtk.export.check_targets names the targets that accept them (tests/export/test_target_suggestions.py)
+        assert e.fix or "as a TensorRT-LLM checkpoint" in e.problem
     else:
         assert q.quant_algo
 

@@ -3,8 +3,17 @@
     pack-quantized   weight_packed int32 [out, ceil(in·bits/32)], weight_scale [out, groups] (model dtype),
                      weight_shape int64 [2], weight_zero_point int32 packed along out (asymmetric only)
     int-quantized    weight int8 [out, in], weight_scale (model dtype)
-    float-quantized  weight float8_e4m3fn [out, in], weight_scale float32
+    float-quantized  weight float8_e4m3fn [out, in], weight_scale float32 (tensor / channel); FP8 blocks:
+                     weight_scale in the model dtype [ceil(out/bm), ceil(in/bn)]
+    nvfp4-pack-quantized  weight_packed uint8 [out, in/2] (e2m1 codes, element 2i in the low nibble),
+                     weight_scale float8_e4m3fn [out, in/16], weight_global_scale float32 [1]; W4A4 adds
+                     input_global_scale float32 [1] (no weight_shape)
+    mxfp4-pack-quantized  weight_packed uint8 [out, in/2], weight_scale uint8 E8M0 codes [out, in/32]
+    mxfp8-quantized  weight float8_e4m3fn [out, in], weight_scale uint8 E8M0 codes [out, in/32]
     any              weight_g_idx int32 [in] in older checkpoints (actorder group), read but never written
+
+W4A8-FP8 (int4 groups with FP8 per-token activations) is pack-quantized: vLLM's CompressedTensorsW4A8Fp8 reads
+weight_packed, as llm-compressor's W4AFP8 example saves it.
 """
 
 from __future__ import annotations
@@ -13,24 +22,48 @@ from typing import Mapping
 
 import torch
 
+from qtk.quant.fp4 import pack_fp4, unpack_fp4
+from qtk.quant.formats.nvfp4 import GLOBAL
+from qtk.quant.mx import e8m0_decode, e8m0_encode
 from qtk.quant.pack import pack_ct, pack_ct_zero_point, unpack_ct, unpack_ct_zero_point
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme
 
-FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+NVFP4, MXFP4, MXFP8 = "nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized"
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized", NVFP4, MXFP4, MXFP8)
+# compressed-tensors' scale_dtype of the formats whose scales are not in the model dtype (written, and required
+# by its MX compressors, which key on torch.uint8)
+SCALE_DTYPE = {NVFP4: "torch.float8_e4m3fn", MXFP4: "torch.uint8", MXFP8: "torch.uint8"}
 
 
 def ct_format(scheme) -> str:
     """The compressed-tensors format of a module's ModuleScheme (weights and activations)."""
-    if scheme.weights.is_fp8:
+    w = scheme.weights
+    if w.is_nvfp4:
+        return NVFP4
+    if w.is_mx:
+        return MXFP4 if w.num_bits == 4 else MXFP8
+    if w.is_fp8:
         return "float-quantized"
-    if scheme.activations is not None:
+    if scheme.activations is not None and not scheme.activations.is_fp8:  # W4A8-FP8 stays packed
         return "int-quantized"
     return "pack-quantized"
 
 
+def input_scale_key(scheme) -> str:
+    """The tensor holding a module's static input scale: NVFP4's global input scale, else input_scale."""
+    return "input_global_scale" if scheme.activations is not None and scheme.activations.is_nvfp4 else "input_scale"
+
+
 def encode(qt: QTensor, dtype: torch.dtype, fmt: str) -> dict[str, torch.Tensor]:
     s = qt.scheme
+    if fmt == NVFP4:
+        return {"weight_packed": pack_fp4(qt.values), "weight_scale": qt.scale.to(torch.float8_e4m3fn),
+                "weight_global_scale": qt.extra[GLOBAL].float().reshape(1)}
+    if fmt == MXFP4:
+        return {"weight_packed": pack_fp4(qt.values), "weight_scale": e8m0_encode(qt.scale)}
+    if fmt == MXFP8:
+        return {"weight": qt.values, "weight_scale": e8m0_encode(qt.scale)}
     if fmt == "pack-quantized":
         out = {
             "weight_packed": pack_ct(qt.values, s.num_bits),
@@ -40,12 +73,19 @@ def encode(qt: QTensor, dtype: torch.dtype, fmt: str) -> dict[str, torch.Tensor]
         if qt.zero_point is not None:
             out["weight_zero_point"] = pack_ct_zero_point(qt.zero_point.reshape(qt.scale.shape), s.num_bits)
         return out
-    scale_dtype = torch.float32 if s.is_fp8 else dtype
+    scale_dtype = torch.float32 if s.is_fp8 and s.strategy != "block" else dtype  # blocks: model dtype, as ct writes
     return {"weight": qt.values, "weight_scale": qt.scale.to(scale_dtype)}
 
 
 def decode(t: Mapping[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype) -> QTensor:
     """The QTensor of one module from its stored tensors (packed or not, as found)."""
+    if scheme.is_nvfp4:
+        values = unpack_fp4(t["weight_packed"])
+        return QTensor(values, t["weight_scale"].float(), scheme, dtype=dtype,
+                       extra={GLOBAL: t["weight_global_scale"].float().reshape(1)})
+    if scheme.is_mx:
+        values = unpack_fp4(t["weight_packed"]) if scheme.num_bits == 4 else t["weight"]
+        return QTensor(values, e8m0_decode(t["weight_scale"]), scheme, dtype=dtype)
     scale = t["weight_scale"].float()
     zero = None
     if "weight_packed" in t:

@@ -11,6 +11,9 @@ engine decodes them (`decode`).
     W4A16_AWQ                            weight int8 [out/2, in] (int4 pairs), weights_scaling_factor f32 [out, groups],
                                          prequant_scaling_factor [in] (ones)
     W8A16, W4A16                         plain weights in the model dtype: trtllm-build quantizes them itself
+    NVFP4, W4A16_NVFP4                   weight uint8 [out, in/2] (e2m1 codes, low nibble first), weights_scaling_factor
+                                         fp8 [out, in/16], weights_scaling_factor_2 f32 [] (1/global scale, one per fused
+                                         module), activation_scaling_factor f32 [] (amax/2688, NVFP4 only)
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ from typing import Callable, Mapping
 import torch
 
 from qtk.errors import UsageError
+from qtk.quant.formats.nvfp4 import GLOBAL
+from qtk.quant.fp4 import pack_fp4, unpack_fp4
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import FP8_MAX, QuantScheme
 
 INT8_MAX = 127.0
 # weight-only algorithms whose checkpoint holds plain weights: trtllm-build quantizes them per channel
 PLAIN_ALGOS = {"W8A16": 8, "W4A16": 4}
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+_FP4_INPUT_MAX = 448.0 * 6.0  # NVFP4's activation_scaling_factor is amax / (448 · 6), ModelOpt's inverse global scale
 
 
 def pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:
@@ -120,6 +127,15 @@ def encode(algo: str, qt: QTensor, amax: float | None, dtype: torch.dtype, row: 
         return {"weight": Part.of("weight", qt.values, pack_int4_pairs),
                 "weights_scaling_factor": Part.of("weights_scaling_factor", qt.scale.to(f32)),
                 "prequant_scaling_factor": Part.of("prequant_scaling_factor", torch.ones(in_f, dtype=dtype))}
+    if algo in NVFP4_ALGOS:
+        gs = float(qt.extra[GLOBAL].reshape(()))
+        parts = {"weight": Part.of("weight", qt.values, pack_fp4),  # split as codes, packed per rank
+                 "weights_scaling_factor": Part.of("weights_scaling_factor", qt.scale.to(torch.float8_e4m3fn)),
+                 "weights_scaling_factor_2": Part.of("weights_scaling_factor_2", torch.tensor(1.0 / gs, dtype=f32))}
+        if algo == "NVFP4":
+            a = amax if amax is not None and amax > 0 else _FP4_INPUT_MAX
+            parts["activation_scaling_factor"] = Part.of("activation_scaling_factor", torch.tensor(a / _FP4_INPUT_MAX, dtype=f32))
+        return parts
     raise AssertionError(f"no layout for {algo}")
 
 
@@ -135,6 +151,10 @@ def layout(algo: str, out_f: int, in_f: int, group_size: int | None, dtype: torc
         "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": {"weight": ((torch.int8,), [out_f, in_f]), "per_channel_scale": ((f32,), [1, out_f])},
         "W4A16_AWQ": {"weight": ((torch.int8, torch.uint8), [out_f // 2, in_f]),
                       "weights_scaling_factor": ((f32,), [out_f, in_f // group_size if group_size else 0])},
+        "NVFP4": {"weight": ((torch.uint8,), [out_f, in_f // 2]), "weights_scaling_factor": ((torch.float8_e4m3fn,), [out_f, in_f // 16]),
+                  "weights_scaling_factor_2": ((f32,), []), "activation_scaling_factor": ((f32,), [])},
+        "W4A16_NVFP4": {"weight": ((torch.uint8,), [out_f, in_f // 2]),
+                        "weights_scaling_factor": ((torch.float8_e4m3fn,), [out_f, in_f // 16]), "weights_scaling_factor_2": ((f32,), [])},
     }.get(algo, {"weight": ((dtype,), [out_f, in_f])})
 
 
@@ -161,6 +181,9 @@ def decode(algo: str, t: Mapping[str, torch.Tensor], scheme: QuantScheme, dtype:
                              "qtk simulates checkpoints whose smoothing is folded into the weights, as qtk writes them")
     if algo == "W4A16_AWQ":
         return QTensor(unpack_int4_pairs(t["weight"]), t["weights_scaling_factor"].float(), scheme, None, None, dtype)
+    if algo in NVFP4_ALGOS:
+        gs = 1.0 / t["weights_scaling_factor_2"].float().reshape(1)
+        return QTensor(unpack_fp4(t["weight"]), t["weights_scaling_factor"].float(), scheme, None, None, dtype, {GLOBAL: gs})
     w = t["weight"]
     if algo == "FP8":
         scale = t["weights_scaling_factor"].float().reshape(1)

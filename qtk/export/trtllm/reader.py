@@ -269,7 +269,10 @@ class TRTLLMCheckpoint(Checkpoint):
             return None
         layer, trt, ci = self._trt_of(module)
         t = self._module(layer, trt)[ci].get("activation_scaling_factor")
-        return None if t is None else t.float().reshape(1)
+        if t is None:
+            return None
+        # NVFP4's activation scale is amax/2688, the inverse of the global scale the simulator multiplies by
+        return 1.0 / t.float().reshape(1) if scheme.activations.is_nvfp4 else t.float().reshape(1)
 
     def kv_scales(self, layer: int) -> tuple[float, float] | None:
         """TensorRT-LLM scales K and V with one factor (max of k and v): the cache holds round(x / s)."""

@@ -147,7 +147,7 @@ class TRTLLMWriter(Writer):
             if qt is not None:
                 algo = algos[lin]
                 amax = r.input_amax.get(full)
-                if amax is not None and algo in ("FP8", "W8A8_SQ_PER_CHANNEL"):  # a fused group sees one input: one scale
+                if amax is not None and algo in ("FP8", "W8A8_SQ_PER_CHANNEL", "NVFP4"):  # a fused group sees one input: one scale
                     amax = max(r.input_amax.get(hf + m, 0.0) for m in a.fusion_group_of(lin))
                 p = encode(algo, qt, amax, dtype, row)
             else:

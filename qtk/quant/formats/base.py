@@ -55,6 +55,11 @@ class Format:
         """The dtype scales are stored (and rounded to before use) in; None: float32."""
         raise NotImplementedError
 
+    def decodes_in_model_dtype(self, scheme: QuantScheme) -> bool:
+        """Whether the engines (and compressed-tensors' decompressors) form the dequantized weight in the model dtype
+        (True: int scales in the model dtype; NVFP4, MX, FP8 blocks decompressed to it) rather than in float32."""
+        return True
+
     def qparams(self, w: torch.Tensor, scheme: QuantScheme, model_dtype: torch.dtype) -> QParams:
         """Quantization parameters of weight w [out, in] (model_dtype: the dtype the model stores, for scales)."""
         raise NotImplementedError
@@ -69,6 +74,24 @@ class Format:
                    g_idx: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [out, in] from stored values; g_idx [in] maps each input column to its group (act-order)."""
         raise NotImplementedError
+
+    def tensor_wide(self, scheme: QuantScheme) -> bool:
+        """Whether qparams hold a tensor-wide part beyond the per-group scales (NVFP4's global scale), which GPTQ fixes
+        before its column loop and fusion groups share."""
+        return False
+
+    def group_qparams(self, cols: torch.Tensor, scheme: QuantScheme, model_dtype: torch.dtype,
+                      qp: QParams | None = None) -> QParams:
+        """For GPTQ: the scale (and zero point) [out, 1] of one group of columns cols [out, group], taken when the
+        group starts; qp holds the tensor-wide extras fixed up front (tensor_wide)."""
+        from dataclasses import replace
+
+        return self.qparams(cols, replace(scheme, strategy="channel", group_size=None), model_dtype)
+
+    def fused_qparams(self, weights: list[torch.Tensor], scheme: QuantScheme, model_dtype: torch.dtype) -> list[QParams] | None:
+        """QParams of Linears the engines fuse into one GEMM (q/k/v, gate/up) whose tensor-wide part they must share;
+        None when nothing is shared (each member takes its own)."""
+        return None
 
     def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None,
                          model_dtype: torch.dtype | None = None) -> ColumnQuantizer:

@@ -29,6 +29,9 @@ class FP8Format(GroupedFormat):
     def scale_dtype(self, scheme: QuantScheme, model_dtype: torch.dtype) -> torch.dtype | None:
         return None  # float32: fp8 scales are not rounded to the model dtype
 
+    def decodes_in_model_dtype(self, scheme: QuantScheme) -> bool:
+        return False  # float32 scales: the fp8 GEMMs multiply by them in float32
+
     def raw_scale(self, xmin, xmax, scheme, half=None):
         return torch.maximum(xmax, -xmin) / FP8_MAX
 
