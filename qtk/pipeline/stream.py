@@ -20,7 +20,7 @@ from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.pipeline.targets import check_group_size, target_linears
 from qtk.recipe import Recipe
 from qtk.steps import plan_steps
-from qtk.steps.rtn import rtn_weights
+from qtk.steps import rtn  # through the module: the step's function, as the module loop calls it
 
 
 def streams(recipe: Recipe, calib_ids) -> bool:
@@ -76,7 +76,7 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
     arch, dtype, prefix = source.arch, source.dtype, source.layer_prefix(i)
     weights = {t: tensors[t + ".weight"] for t in targets}
     schemes = {t: recipe.scheme_for(prefix + t).weights for t in targets}
-    qweights = rtn_weights({t: w.float() for t, w in weights.items()}, schemes, arch, dtype)
+    qweights = rtn.rtn_weights({t: w.float() for t, w in weights.items()}, schemes, arch, dtype)
     errors = {}
     for t, qt in qweights.items():
         if not torch.isfinite(qt.scale).all():
