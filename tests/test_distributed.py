@@ -129,7 +129,11 @@ def test_two_ranks_match_one(recipe, two_ranks, model, calib_file, tmp_path, mon
     assert set(h1) == set(h2)
     for k in h1:
         rel = ((h1[k] - h2[k]).norm() / h1[k].norm()).item()
-        assert rel <= 1e-5, f"Hessian {k}: {rel}"
+        # Layer 0 sees the same inputs in both runs: only the reduction's summation order differs. A later layer sees
+        # the quantized layers before it, where a code on a rounding tie (common with bf16 quotients) can flip with
+        # that order, so its inputs, and Hessian, move by what the allowed 0.1 % of codes moves them.
+        bound = 1e-5 if k.startswith("0:") else 1e-2
+        assert rel <= bound, f"Hessian {k}: {rel}"
 
     a, b = open_checkpoint(one / "vllm"), open_checkpoint(two)
     assert a.modules() == b.modules() and a.modules()
