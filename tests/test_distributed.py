@@ -110,8 +110,17 @@ def _reload_logits(d):
         return m(ids).logits
 
 
+# Known defect, found when the bf16-quotient rounding (compressed-tensors' RTN arithmetic, issue 11) met the 2-rank
+# run: GPTQ's 8-bit column quantizer rounds w/s to bf16 first, whose resolution is 0.5 for |q| >= 64, so nearly every
+# column lands on a rounding tie and the error-feedback chain flips with the summation order of the reduced Hessian:
+# 2 ranks and 1 agree on only ~79 % of int8-kv8's codes (layer-0 Hessians still agree within 1e-5). 4-bit grids
+# (|q| <= 8, bf16 resolves 1/32) are unaffected. Fix: float32 quotients in GPTQ's column loop for 8-bit grids.
+KNOWN = {"int8-kv8": pytest.mark.xfail(strict=True, reason="8-bit GPTQ with bf16 quotients is tie-sensitive (see KNOWN)")}
+
+
 def _recipes():
-    return [pytest.param(r, marks=[] if r in ("int8-kv8", "w4a16-gptq") else pytest.mark.slow) for r in RECIPES]
+    return [pytest.param(r, marks=[KNOWN[r]] if r in KNOWN else [] if r == "w4a16-gptq" else pytest.mark.slow)
+            for r in RECIPES]
 
 
 @pytest.mark.parametrize("recipe", _recipes())
@@ -129,11 +138,7 @@ def test_two_ranks_match_one(recipe, two_ranks, model, calib_file, tmp_path, mon
     assert set(h1) == set(h2)
     for k in h1:
         rel = ((h1[k] - h2[k]).norm() / h1[k].norm()).item()
-        # Layer 0 sees the same inputs in both runs: only the reduction's summation order differs. A later layer sees
-        # the quantized layers before it, where a code on a rounding tie (common with bf16 quotients) can flip with
-        # that order, so its inputs, and Hessian, move by what the allowed 0.1 % of codes moves them.
-        bound = 1e-5 if k.startswith("0:") else 1e-2
-        assert rel <= bound, f"Hessian {k}: {rel}"
+        assert rel <= 1e-5, f"Hessian {k}: {rel}"
 
     a, b = open_checkpoint(one / "vllm"), open_checkpoint(two)
     assert a.modules() == b.modules() and a.modules()
