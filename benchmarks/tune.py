@@ -135,7 +135,7 @@ def main() -> None:
             fin = rep.get("final") or {}
             counts: dict[str, int] = {}
             for c in (fin.get("units") or {}).values():
-                counts[c] = counts.get(c, 0) + 1
+                counts[Path(c).stem] = counts.get(Path(c).stem, 0) + 1
             res["tuned"][str(b)] = {
                 "passed": bool(fin), "bytes": fin.get("bytes"), "units": counts, "kv": fin.get("kv_cache"),
                 "rounds": [{"bytes": x["bytes"], "damage": round(x["damage"], 5), "passed": x["passed"],
@@ -152,6 +152,7 @@ def main() -> None:
                 shutil.copyfile(png, keep)
                 res["tuned"][str(b)]["frontier_png"] = str(keep.relative_to(ROOT))
             print(b, res["tuned"][str(b)], flush=True)
+            out_json.write_text(json.dumps(res, indent=2) + "\n")  # each budget as it finishes: a long run keeps its results
         res["gate_cached_s"] = round(gate_cached, 2) if gate_cached is not None else None
     out_json.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
