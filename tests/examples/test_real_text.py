@@ -49,3 +49,23 @@ def test_licence_texts_are_verbatim_where_the_machine_has_them():
             checked += 1
     if not checked:
         pytest.skip("no /usr/share/common-licenses on this machine to compare with")
+
+
+def passages(doc: dict, min_chars: int = 1200) -> list[dict]:
+    """The rule the README states for heldout_passages.jsonl."""
+    out, cur = [], ""
+    for para in (x.strip() for x in doc["text"].split("\n\n")):
+        if not para:
+            continue
+        cur = f"{cur}\n\n{para}" if cur else para
+        if len(cur) >= min_chars:
+            out.append(cur)
+            cur = ""
+    if cur:
+        out.append(cur)
+    return [{"source": f"{doc['source']}, passage {i}", "text": t} for i, t in enumerate(out, 1)]
+
+
+def test_heldout_passages_are_the_heldout_text_cut_as_documented():
+    assert rows("heldout_passages") == [p for d in rows("heldout") for p in passages(d)]
+    assert len(rows("heldout_passages")) == 39
