@@ -11,7 +11,6 @@ AWQ-specific here; any int4 group-wise recipe (RTN, GPTQ without act-order) fits
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -78,9 +77,7 @@ class AWQWriter(LegacyWriter):
         self.shards.close()
         if (n := self.fp16.note(self.source.dtype)) is not None:
             self.notes.append(n)
-        cfg = dict(self.source.config_dict)
-        cfg["quantization_config"] = self.quantization_config()
-        (self.dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        self.write_config()
         self.copy_side_files()
         self.write_manifest(manifest)
 

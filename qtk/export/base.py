@@ -110,6 +110,12 @@ class Writer:
     def finish(self, manifest: dict) -> None:
         raise NotImplementedError
 
+    def write_config(self) -> None:
+        """config.json: the source model's config with this target's quantization_config."""
+        cfg = dict(self.source.config_dict)
+        cfg["quantization_config"] = self.quantization_config()
+        (self.dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
     def copy_side_files(self) -> None:
         for p in self.source.checked_side_files():  # checked again: a link may have changed since the start
             shutil.copy2(p, self.dir / p.name)

@@ -12,7 +12,6 @@ scale grid and would decode a ragged weight wrong.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -81,9 +80,7 @@ class HFFP8Writer(Writer):
 
     def finish(self, manifest: dict) -> None:
         self.shards.close()
-        cfg = dict(self.source.config_dict)
-        cfg["quantization_config"] = self.quantization_config()
-        (self.dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        self.write_config()
         self.copy_side_files()
         self.write_manifest(manifest)
 

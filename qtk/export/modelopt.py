@@ -138,9 +138,7 @@ class ModelOptHFWriter(Writer):
 
     def finish(self, manifest: dict) -> None:
         self.shards.close()
-        cfg = dict(self.source.config_dict)
-        cfg["quantization_config"] = self.quantization_config()
-        (self.dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        self.write_config()
         (self.dir / "hf_quant_config.json").write_text(json.dumps(self.hf_quant_config(), indent=4) + "\n")
         self.copy_side_files()
         self.write_manifest(manifest)

@@ -16,7 +16,6 @@ format is "mixed-precision" when the groups' formats differ (as compressed-tenso
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -173,9 +172,7 @@ class VLLMWriter(Writer):
 
     def finish(self, manifest: dict) -> None:
         self.shards.close()
-        cfg = dict(self.source.config_dict)
-        cfg["quantization_config"] = self.quantization_config()
-        (self.dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        self.write_config()
         self.copy_side_files()
         self.write_manifest(manifest)
 
