@@ -310,7 +310,7 @@ def main():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qtk.api import _versions
+    from qtk.convert.manifest import versions as _versions
     from qtk.calib import calibration_ids, ids_hash, load_texts
 
     real_model_dir = _load_script("real_model").real_model_dir  # scripts/real_model.py: same module name as this file

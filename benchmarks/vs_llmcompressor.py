@@ -320,7 +320,7 @@ def main():
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"error": f"llm-compressor unavailable: {e}"}, indent=2) + "\n")
         raise SystemExit(2)
-    from qtk.api import _versions
+    from qtk.convert.manifest import versions as _versions
 
     sys.path.insert(0, str(HERE))
     from _common import make_tiny_model
