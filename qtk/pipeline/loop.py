@@ -32,6 +32,17 @@ def relative_error(w: torch.Tensor, ref: torch.Tensor) -> float:
     return float((w.float() - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
+def replay_layers(resume, start: int, n: int, sinks, stats: PipelineStats, on_layer) -> None:
+    """Feed the resume state's first `start` finished layers to fresh writers, as if they had just been computed."""
+    for i in range(start):
+        r = resume.load_layer(i)
+        for s in sinks:
+            s.add_layer(r)
+        stats.record(r)
+        if on_layer:
+            on_layer(i + 1, n, LayerDone.of(r, replayed=True))
+
+
 def _forward_all(layer, batches):
     """The layer's outputs for every batch, each kept where its input was (on the device, or spilled to the host)."""
     keep = batches.keep if isinstance(batches, Activations) else (lambda j, y: y)
@@ -202,13 +213,8 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     completed = resume.completed if resume is not None else 0
     start = min(int(reducer.broadcast_object(completed)), n)  # the writing process's resume state decides
     keep_hidden = bool(reducer.broadcast_object(resume is not None))
-    for i in range(start if resume is not None else 0):  # replay finished layers into fresh writers (rank 0's)
-        r = resume.load_layer(i)
-        for s in sinks:
-            s.add_layer(r)
-        stats.record(r)
-        if on_layer:
-            on_layer(i + 1, n, LayerDone.of(r, replayed=True))
+    if resume is not None:  # only the writing process holds the state; the others just skip to `start`
+        replay_layers(resume, start, n, sinks, stats, on_layer)
     if batches is not None and 0 < start < n:
         hidden = resume.load_hidden() if resume is not None else None
         batches = [(h.to(device), kw) for h, (_, kw) in zip(_scatter_hidden(hidden, len(batches), reducer), batches)]

@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.model.simulate import engine_weight
 from qtk.pipeline.device import compute_dtype, resolve_device
-from qtk.pipeline.loop import WriteBehind, background, relative_error, runnable_steps
+from qtk.pipeline.loop import WriteBehind, background, relative_error, replay_layers, runnable_steps
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.pipeline.targets import check_group_size, target_linears
 from qtk.recipe import Recipe
@@ -108,13 +108,8 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     stats.timings["capture"] = time.perf_counter() - t0
     n = source.num_layers
     start = min(resume.completed, n) if resume is not None else 0
-    for i in range(start):  # replay finished layers into fresh writers
-        r = resume.load_layer(i)
-        for s in sinks:
-            s.add_layer(r)
-        stats.record(r)
-        if on_layer:
-            on_layer(i + 1, n, LayerDone.of(r, replayed=True))
+    if resume is not None:
+        replay_layers(resume, start, n, sinks, stats, on_layer)
     t_layers = time.perf_counter()
     reader = _LayerReader(source, skeleton, device, overlap)
     try:
