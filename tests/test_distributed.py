@@ -110,17 +110,12 @@ def _reload_logits(d):
         return m(ids).logits
 
 
-# Known defect, found when the bf16-quotient rounding (compressed-tensors' RTN arithmetic, issue 11) met the 2-rank
-# run: GPTQ's 8-bit column quantizer rounds w/s to bf16 first, whose resolution is 0.5 for |q| >= 64, so nearly every
-# column lands on a rounding tie and the error-feedback chain flips with the summation order of the reduced Hessian:
-# 2 ranks and 1 agree on only ~79 % of int8-kv8's codes (layer-0 Hessians still agree within 1e-5). 4-bit grids
-# (|q| <= 8, bf16 resolves 1/32) are unaffected. Fix: float32 quotients in GPTQ's column loop for 8-bit grids.
-KNOWN = {"int8-kv8": pytest.mark.xfail(strict=True, reason="8-bit GPTQ with bf16 quotients is tie-sensitive (see KNOWN)")}
+# 8-bit GPTQ needs float32 quotients here: bf16 ones (resolution 0.5 for |q| >= 64) put nearly every int8 column on a
+# rounding tie that flips with the Hessian's summation order (qtk/algorithms/gptq.py); int8-kv8 runs by default for it.
 
 
 def _recipes():
-    return [pytest.param(r, marks=[KNOWN[r]] if r in KNOWN else [] if r == "w4a16-gptq" else pytest.mark.slow)
-            for r in RECIPES]
+    return [pytest.param(r, marks=[] if r in ("w4a16-gptq", "int8-kv8") else pytest.mark.slow) for r in RECIPES]
 
 
 @pytest.mark.parametrize("recipe", _recipes())

@@ -114,13 +114,20 @@ def test_gptq_fp8_below_rtn():
 @pytest.mark.parametrize("name", list(MORE_SCHEMES))
 def test_gptq_with_diagonal_hessian_is_rtn(name):
     """A diagonal H has a diagonal Hinv (and Cholesky factor): no error reaches any other column,
-    whatever the damping, so every column is rounded as RTN rounds it, with the same qparams."""
+    whatever the damping, so every column is rounded as RTN rounds it with float32 quotients (GPTQ's arithmetic,
+    llm-compressor's too), with the same qparams."""
+    from qtk.quant.formats import format_for
+    from qtk.quant.qtensor import QTensor
+
     scheme = MORE_SCHEMES[name]
     W, _ = correlated_layer(seed=1)
+    fmt = format_for(scheme)
+    qp = fmt.qparams(W, scheme, torch.bfloat16)
+    rtn = QTensor.of(fmt.quantize(W, qp, scheme, model_dtype=None), qp, scheme, torch.bfloat16)
+    assert torch.equal(rtn.scale, rtn_quantize(W, scheme, torch.bfloat16).scale)
     g = torch.Generator().manual_seed(2)
     for H in (torch.eye(IN), torch.diag(torch.rand(IN, generator=g) + 0.1)):
         qt, info = gptq_quantize(W, H, scheme, GPTQParams(block_size=48), torch.bfloat16)
-        rtn = rtn_quantize(W, scheme, torch.bfloat16)
         assert torch.equal(qt.values.float(), rtn.values.float())
         assert torch.equal(qt.scale, rtn.scale)
         assert (qt.zero_point is None) == (rtn.zero_point is None)

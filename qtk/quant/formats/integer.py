@@ -78,18 +78,13 @@ class IntFormat(GroupedFormat):
             q = _rounded(q + zero, half)
         return q.round().clamp(scheme.qmin, scheme.qmax)
 
-    def column_quantizer(self, scheme: QuantScheme, qp=None, model_dtype=None):
+    def column_quantizer(self, scheme: QuantScheme, qp=None):
         qmin, qmax = scheme.qmin, scheme.qmax
-        half = self.quotient_dtype(model_dtype)
 
-        def quantize_column(w, s, z):  # quantize_grouped / dequantize_grouped on one column: the same float ops
+        def quantize_column(w, s, z):  # quantize_grouped (float32) / dequantize_grouped on one column, in place
             q = torch.div(w, s)
-            if half is not None:
-                q = _rounded(q, half)
             if z is not None:
                 q.add_(z)
-                if half is not None:
-                    q = _rounded(q, half)
             q.round_().clamp_(qmin, qmax)
             return q, (q if z is None else q - z).mul(s)
 
