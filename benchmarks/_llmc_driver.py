@@ -76,6 +76,12 @@ def main():
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not torch.cuda.is_available():
+        # llm-compressor 0.14's AWQ pins cached activations for faster host-to-device copies, which raises without
+        # an accelerator; pinning changes no value, so on a CPU-only machine it is skipped (AWQ then runs on CPU)
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     cfg = json.loads(open(a.config).read()) if a.config else {"calibrate": True}
     mods = recipe_from_config(cfg) if a.config else recipe(a.scheme)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype="auto")
