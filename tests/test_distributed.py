@@ -202,3 +202,34 @@ def test_torchrun_cli_two_processes(model, calib_file, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("wrote vllm") == 1
     assert sorted(p.name for p in out.iterdir()) == ["vllm"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_leaves_no_output(calib_file, tmp_path):
+    """Ctrl-C in the terminal (SIGINT to torchrun and its workers, one process group) mid-run: every rank stops, qtk
+    says so once (rank 0, the single-process line) and no output is left; torchrun then reports the signal itself."""
+    import signal
+    import time
+
+    model = make_tiny_model(tmp_path / "m", layers=8, hidden=256, intermediate=512)  # long enough to interrupt
+    torchrun = Path(sys.executable).parent / "torchrun"
+    out = tmp_path / "out"
+    p = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "qtk", "convert",
+                          str(model), "-r", "w4a16-gptq", "-o", str(out), "--device", "cpu", "--calib", str(calib_file),
+                          "--num-samples", "8", "--seq-len", "64", "--no-hash"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while not (out.is_dir() and any(x.name.startswith(".vllm.qtk-tmp-") for x in out.iterdir())):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.1)  # rank 0 is writing layers: mid-run
+        os.killpg(p.pid, signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode != 0
+    assert stderr.count("interrupted: no output was left behind") == 1, stderr[-3000:]
+    assert "wrote vllm" not in stdout
+    assert not out.exists() or list(out.iterdir()) == []
