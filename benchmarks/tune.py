@@ -150,7 +150,7 @@ def main() -> None:
             if png.is_file():  # the plot outlives the temporary directory beside the JSON
                 keep = out_json.with_name(f"{out_json.stem}_frontier_{b}.png")
                 shutil.copyfile(png, keep)
-                res["tuned"][str(b)]["frontier_png"] = str(keep.relative_to(ROOT))
+                res["tuned"][str(b)]["frontier_png"] = str(keep.relative_to(ROOT) if keep.is_relative_to(ROOT) else keep)
             print(b, res["tuned"][str(b)], flush=True)
             out_json.write_text(json.dumps(res, indent=2) + "\n")  # each budget as it finishes: a long run keeps its results
         res["gate_cached_s"] = round(gate_cached, 2) if gate_cached is not None else None
