@@ -2,9 +2,11 @@
 examples/tasks.yaml (the same as `qtk convert ... && qtk eval ...` for each recipe).
 
     python scripts/eval_table.py                 # rewrites the table in docs/eval.md, writes docs/eval-table.json
+    python scripts/eval_table.py --recipes fp8 int8-kv8           # re-measures these; the other rows are kept
     python scripts/eval_table.py --recipes fp8 int8-kv8 --no-write
 
-The baseline is evaluated once and taken from the cache for every later recipe.
+The baseline is evaluated once and taken from the cache for every later recipe. The table is rendered from
+docs/eval-table.json, so a run of some recipes replaces their rows and keeps the others (in recipe-name order).
 """
 
 from __future__ import annotations
@@ -28,13 +30,36 @@ def _fmt(v: float, ppl: bool) -> str:
     return f"{v:.4f}" if ppl else f"{v:.1f}"  # accuracies are already in %
 
 
-def _cell(t, ppl: bool) -> str:
-    d = t.candidate - t.baseline
-    return f"{_fmt(t.candidate, ppl)} ({'+' if d >= 0 else '-'}{_fmt(abs(d), ppl)})"
+def _cell(t: dict, ppl: bool) -> str:
+    d = t["candidate"] - t["baseline"]
+    return f"{_fmt(t['candidate'], ppl)} ({'+' if d >= 0 else '-'}{_fmt(abs(d), ppl)})"
+
+
+def render(records: dict) -> str:
+    """The markdown table of every record (recipe -> what main stores), baseline first, recipes by name."""
+    import yaml
+
+    ppl = {t["name"] for t in yaml.safe_load(TASKS.read_text())["tasks"] if t["type"] == "perplexity"}
+    first = next(iter(records.values()))["tasks"]
+    names = list(first)
+    lines = ["| recipe | " + " | ".join(names) + " | KL | top-1 | gate |",
+             "|---|" + "---:|" * len(names) + "---:|---:|---|",
+             "| baseline | " + " | ".join(_fmt(first[n]["baseline"], n in ppl) for n in names) + " | | | |"]
+    for r in sorted(records):
+        rec = records[r]
+        tasks, a = rec["tasks"], rec["agreement"]
+        failed = [n for n in names if tasks[n]["status"] == "fail"]
+        if not rec["passed"] and not failed:  # the gate failed on the agreement limits alone
+            failed = ["agreement"]
+        verdict = "pass" if rec["passed"] else f"**fail: {', '.join(failed)}**"
+        lines.append(f"| {r} | " + " | ".join(_cell(tasks[n], n in ppl) for n in names)
+                     + f" | {a['kl']:.5f} | {a['top1']:.2f}% | {verdict} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     from qtk import api
+    from qtk.errors import UsageError
     from qtk.eval.api import run_gate
     from qtk.recipe import builtin_recipes
 
@@ -44,36 +69,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     recipes = args.recipes or sorted(builtin_recipes())
-    rows, records = [], {}
-    base_row = None
+    stored = ROOT / "docs" / "eval-table.json"
+    records = json.loads(stored.read_text()) if stored.is_file() else {}
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
         for r in recipes:
             t0 = time.perf_counter()
-            res = api.convert(MODEL, r, td / r)
+            try:
+                res = api.convert(MODEL, r, td / r)
+            except UsageError as e:  # e.g. FP8 blocks, which this model's 64-row k/v projections do not tile
+                print(f"skipped {r}: {e}", file=sys.stderr)
+                continue
             conv_s = time.perf_counter() - t0
             g = run_gate(res.outputs["vllm"], MODEL, TASKS, cache_dir=td / "cache", threads=args.threads)
-            tasks = {t.name: t for t in g.tasks}
-            names = list(tasks)
-            if base_row is None:
-                base_row = "| baseline | " + " | ".join(
-                    _fmt(tasks[n].baseline, tasks[n].type == "perplexity") for n in names) + " | | | |"
-                header = ("| recipe | " + " | ".join(names) + " | KL | top-1 | gate |\n"
-                          "|---|" + "---:|" * len(names) + "---:|---:|---|")
-            failed = [t.name for t in g.tasks if t.status == "fail"]
-            if g.agreement is not None and g.agreement.status == "fail":
-                failed.append("agreement")
-            verdict = "pass" if g.passed else f"**fail: {', '.join(failed)}**"
             a = g.agreement
-            rows.append(f"| {r} | " + " | ".join(_cell(tasks[n], tasks[n].type == "perplexity") for n in names)
-                        + f" | {a.kl:.5f} | {a.top1:.2f}% | {verdict} |")
             records[r] = {"passed": g.passed, "convert_s": round(conv_s, 2),
-                          "tasks": {n: {"baseline": t.baseline, "candidate": t.candidate, "diff": t.candidate - t.baseline,
-                                        "drop_ci": list(t.drop_ci), "significant": t.significant, "status": t.status}
-                                    for n, t in tasks.items()},
+                          "tasks": {t.name: {"baseline": t.baseline, "candidate": t.candidate, "diff": t.candidate - t.baseline,
+                                             "drop_ci": list(t.drop_ci), "significant": t.significant, "status": t.status}
+                                    for t in g.tasks},
                           "agreement": {"kl": a.kl, "top1": a.top1, "ppl_ratio": a.ppl_ratio}}
-            print(rows[-1], file=sys.stderr)
-    table = "\n".join([START, "", header, base_row, *rows, "",
+            print(render({r: records[r]}).splitlines()[-1], file=sys.stderr)
+    table = "\n".join([START, "", render(records), "",
                        "Generated by `python scripts/eval_table.py` (accuracies in %, prose perplexity per character; "
                        "Δ to the baseline in brackets).", "", END])
     print(table)
@@ -82,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if START not in text:
             raise SystemExit(f"{DOC} has no {START} marker")
         DOC.write_text(re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: table, text, flags=re.S))
-        (ROOT / "docs" / "eval-table.json").write_text(json.dumps(records, indent=2) + "\n")
+        stored.write_text(json.dumps(dict(sorted(records.items())), indent=2) + "\n")
     return 0
 
 

@@ -79,3 +79,17 @@ def test_every_tensor_written_is_documented(tmp_path, tiny_llama, calib_file, re
             assert f"`X.{suffix}`" in FORMATS or f"`{suffix}`" in FORMATS, (t, suffix)
     if recipe == "int8-kv8":
         assert "self_attn.k_scale" in FORMATS and ".v_scale" in FORMATS
+
+
+def test_eval_table_is_rendered_from_its_records():
+    """docs/eval.md's per-recipe table is what scripts/eval_table.py renders from docs/eval-table.json, so a partial
+    re-run (--recipes ...) cannot leave rows that no measurement backs."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("eval_table", ROOT / "scripts" / "eval_table.py")
+    et = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(et)
+    doc = (ROOT / "docs" / "eval.md").read_text()
+    table = re.search(re.escape(et.START) + r"\n\n(.*?)\n\nGenerated", doc, re.S).group(1)
+    assert table == et.render(json.loads((ROOT / "docs" / "eval-table.json").read_text()))
