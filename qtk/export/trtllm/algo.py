@@ -121,10 +121,10 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
             notes.append(f"TensorRT-LLM: wrote the {'/'.join(steps)} int4 group-{w.group_size} weights as W4A8_AWQ "
                          "(identity pre-quant scale)")
         return LayerAlgo("W4A8_AWQ", w.group_size), notes
-    if new == "FP8 block":
-        raise UsageError(f"{where}: TensorRT-LLM runs FP8 block scales (FP8_BLOCK_SCALES) only in its PyTorch backend, "
-                         "which loads them from a Hugging Face checkpoint, not from a trtllm-build checkpoint",
-                         "use --target hf-fp8 (trtllm-serve and vLLM load it) or --target vllm")
+    if new == "FP8 block":  # no fix of our own: the targets that accept the recipe are named by check_targets
+        raise UsageError(f"{where}: qtk does not write FP8 block as a TensorRT-LLM checkpoint: TensorRT-LLM runs FP8 "
+                         "block scales (FP8_BLOCK_SCALES) only in its PyTorch backend, which loads them from a Hugging "
+                         "Face checkpoint (quant_method fp8, as --target hf-fp8 writes)")
     if new:  # no fix of our own: the targets that accept the recipe are named by qtk.export.check_targets
         raise UsageError(f"{where}: qtk does not write {new} as a TensorRT-LLM checkpoint")
     if w.is_fp8:
