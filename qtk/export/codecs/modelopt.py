@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 
 from qtk.errors import UsageError
-from qtk.export.codecs.trtllm import pack_int4_pairs, unpack_int4_pairs
+from qtk.export.codecs.trtllm import pack_int4_pairs, unpack_int4_pairs, w4a8_weight_amax
 from qtk.quant.formats.nvfp4 import GLOBAL
 from qtk.quant.fp4 import pack_fp4, unpack_fp4
 from qtk.quant.qtensor import QTensor
@@ -53,7 +53,8 @@ def encode(algo: str, qt: QTensor, amax: float | None, prequant: bool, dtype: to
     if prequant:
         out["pre_quant_scale"] = torch.ones(qt.shape[1], dtype=dtype)
     if algo == "W4A8_AWQ":
-        out["weight_scale_2"] = scalar(weight_amax / FP8_MAX if weight_amax > 0 else 1.0)
+        wa = w4a8_weight_amax(qt) if weight_amax is None else weight_amax
+        out["weight_scale_2"] = scalar(wa / FP8_MAX if wa > 0 else 1.0)
         out["input_scale"] = scalar(amax / FP8_MAX if amax > 0 else 1.0)
     return out
 
