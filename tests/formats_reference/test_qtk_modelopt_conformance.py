@@ -203,6 +203,14 @@ def test_trtllm_w4a8_awq_matches_modelopt(case, model, tmp_path, monkeypatch):
     if W4A8_TRT[case]:
         assert trt.kv_scales(0) is not None and trt.kv_cache == "fp8"
     assert api.inspect(d).ok
+    # `qtk eval`'s engine simulation runs both outputs alike: int4 weights, FP8 inputs under the static scale
+    from qtk.model.simulate import build_simulated_model
+
+    ids = torch.randint(3, 120, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        la = build_simulated_model(trt, simulate_kv=False)(ids).logits
+        lb = build_simulated_model(mo, simulate_kv=False)(ids).logits
+    assert torch.equal(la, lb)
 
 
 def test_hf_modelopt_w4a8_awq_matches_modelopt(model, tmp_path, monkeypatch):
