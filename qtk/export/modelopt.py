@@ -17,7 +17,7 @@ from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer, next_formats
 from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, expect_tensor
 from qtk.export.codecs import modelopt as codec
-from qtk.export.codecs.trtllm import w4a8_weight_amax
+from qtk.export.codecs.trtllm import w4a8_range_problem, w4a8_weight_amax
 from qtk.export.trtllm.algo import AWQ_GROUP_SIZES
 from qtk.io.safetensors import ShardedWriter
 from qtk.quant.qtensor import QTensor
@@ -245,6 +245,9 @@ class ModelOptHFCheckpoint(Checkpoint):
             if self.quant_algo == "W4A8_AWQ":
                 expect_tensor(self, f"{module}.weight_scale_2", torch.float32, SCALAR, problems)
                 expect_tensor(self, f"{module}.input_scale", torch.float32, SCALAR, problems, " (W4A8_AWQ has a static input scale)")
+                if not problems:
+                    p = w4a8_range_problem(self.qtensor(module), self.tensor(f"{module}.weight_scale_2"), module)
+                    problems += [p] if p else []
         return problems
 
     def dense_names(self) -> list[str]:

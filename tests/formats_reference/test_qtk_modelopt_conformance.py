@@ -6,6 +6,7 @@ to the weights the vllm output decodes to, and fused q/k/v and gate/up must carr
 (TensorRT-LLM asserts it)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,6 +213,19 @@ def test_trtllm_w4a8_awq_matches_modelopt(case, model, tmp_path, monkeypatch):
         lb = build_simulated_model(mo, simulate_kv=False)(ids).logits
     assert torch.equal(la, lb)
 
+    # `qtk inspect` judges the bytes: a scale_2 too small for the weights (FP8 overflow in the engine) fails
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = Path(shutil.copytree(d, tmp_path / "bad"))
+    t = load_file(bad / "rank0.safetensors")
+    t[qkv + "weights_scaling_factor_2"] = t[qkv + "weights_scaling_factor_2"] / 2
+    save_file(t, bad / "rank0.safetensors", metadata={"format": "pt"})
+    rep = api.inspect(bad)
+    failed = [c.detail for c in rep.checks if not c.ok]
+    assert any("exceeds 448 × scale_2" in f for f in failed), failed
+
 
 def test_hf_modelopt_w4a8_awq_matches_modelopt(model, tmp_path, monkeypatch):
     """ModelOpt's unified HF W4A8_AWQ export: the same hf_quant_config.json and quantization_config (producer aside),
@@ -246,6 +260,18 @@ def test_hf_modelopt_w4a8_awq_matches_modelopt(model, tmp_path, monkeypatch):
     for m, qt in seen.items():
         assert torch.equal(mo.qtensor(m).dequantize(), qt.dequantize()), m
     assert api.inspect(d).ok
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = Path(shutil.copytree(d, tmp_path / "bad"))
+    for f in bad.glob("*.safetensors"):  # a weight_scale_2 too small for the weights: the engine's FP8 would overflow
+        t = load_file(f)
+        if v + "weight_scale_2" in t:
+            t[v + "weight_scale_2"] = t[v + "weight_scale_2"] / 2
+            save_file(t, f, metadata={"format": "pt"})
+    failed = [c.detail for c in api.inspect(bad).checks if not c.ok]
+    assert any("exceeds 448 × scale_2" in x for x in failed), failed
 
 
 def test_trtllm_w4a8_awq_tp2_shards_concatenate_to_tp1(tmp_path):

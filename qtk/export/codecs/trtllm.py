@@ -111,6 +111,16 @@ def w4a8_weight_amax(qt: QTensor) -> float:
                  .abs().max())
 
 
+def w4a8_range_problem(qt: QTensor, scale_2: torch.Tensor, name: str) -> str | None:
+    """W4A8_AWQ's engine divides the group scales by scale_2 and runs q·s/scale_2 as FP8: a weight beyond 448·scale_2
+    would overflow it."""
+    s2 = float(scale_2.float().reshape(-1)[0])
+    wa = w4a8_weight_amax(qt)
+    if not s2 > 0 or wa > s2 * FP8_MAX * (1 + 2**-20):
+        return f"{name}: max |q·s| {wa:.4g} exceeds 448 × scale_2 ({s2:.4g}): the engine's FP8 weights would overflow"
+    return None
+
+
 def encode(algo: str, qt: QTensor, amax: float | None, dtype: torch.dtype, row: bool,
            weight_amax: float | None = None) -> dict[str, Part]:
     """The logical tensors of one quantized Linear (before fusion and sharding). amax: its calibrated input range
