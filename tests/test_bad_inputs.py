@@ -112,6 +112,10 @@ CATALOGUE = {
     "fp4-scheme-bad-group": "recipe with fp4 weights in groups of 32 without E8M0 scales",
     "nvfp4-activations-dynamic": "recipe with NVFP4 activations 'dynamic: true' (no global input scale)",
     "hf-fp8-refuses-recipe": "--target hf-fp8 (quant_method fp8) with an int8 recipe (w8a16)",
+    # issue 14: W4A8 and FP8 block for TensorRT-LLM / ModelOpt
+    "w4a8-token-target-trtllm": "--target trtllm with w4a8-fp8 (per-token dynamic FP8 activations; W4A8_AWQ's are static)",
+    "w4a8-static-target-vllm": "--target vllm with W4A8 whose FP8 activations are static per tensor (TensorRT-LLM's form)",
+    "fp8-block-target-trtllm": "--target trtllm with fp8-block (FP8_BLOCK_SCALES loads from a Hugging Face checkpoint)",
     # qtk plan
     "plan-weights-file": "qtk plan given a weights file instead of the model directory",
     "plan-tp-heads": "qtk plan --tp 3 on 4 attention heads",
@@ -670,6 +674,24 @@ def test_issue14_format_refusals(tmp_path, tiny_llama):
     code, out = convert(tmp_path, tiny_llama, "--target", "hf-fp8", recipe="w8a16")
     expect("hf-fp8-refuses-recipe", code, out, tmp_path, "holds FP8 block weights with dynamic per-token-group activations only",
            "use --target vllm")
+
+
+def test_w4a8_and_fp8_block_refusals_for_tensorrt_llm(tmp_path, tiny_llama):
+    """TensorRT-LLM's W4A8_AWQ takes static per-tensor FP8 inputs and vLLM's W4A8-FP8 dynamic per-token ones: each
+    refuses the other's, naming the fix; FP8 blocks are refused for trtllm-build checkpoints, naming hf-fp8."""
+    code, out = convert(tmp_path, tiny_llama, "--target", "trtllm", recipe="w4a8-fp8")
+    expect("w4a8-token-target-trtllm", code, out, tmp_path, "TensorRT-LLM's W4A8_AWQ quantizes activations to FP8 per "
+           "tensor with a static", "strategy: tensor, dynamic: false", "--target vllm")
+    static = tmp_path / "w4a8-static.yaml"
+    static.write_text("name: w4a8-static\nweights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 128}\n"
+                      "activations: {num_bits: 8, type: float, strategy: tensor, dynamic: false}\n")
+    code, out = convert(tmp_path, tiny_llama, "--target", "vllm", recipe=static)
+    expect("w4a8-static-target-vllm", code, out, tmp_path, "vLLM runs W4A8-FP8", "not static per-tensor ones",
+           "use --target hf-modelopt or --target trtllm")
+    tiles = make_tiny_model(tmp_path / "tiles", hidden=256, intermediate=512, heads=4, kv_heads=2)  # 128x128 blocks fit
+    code, out = convert(tmp_path, tiles, "--target", "trtllm", recipe="fp8-block")
+    expect("fp8-block-target-trtllm", code, out, tmp_path, "TensorRT-LLM runs FP8 block scales (FP8_BLOCK_SCALES) only in "
+           "its PyTorch backend", "use --target vllm or --target hf-fp8")
 
 
 def test_plan_bad_inputs(tmp_path, model):

@@ -2,7 +2,7 @@
 
 Hugging Face tensor names plus hf_quant_config.json and a config.json quantization_config with
 quant_method "modelopt", laid out as ModelOpt's export_hf_checkpoint writes them. TensorRT-LLM's LLM API
-loads it (FP8, W4A16_AWQ), vLLM too (FP8). INT8 SmoothQuant has no such form: it needs --target trtllm.
+loads it (FP8, W4A16_AWQ, W4A8_AWQ, NVFP4), vLLM too (FP8, NVFP4). INT8 SmoothQuant has no such form: it needs --target trtllm.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer, next_formats
 from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, expect_tensor
 from qtk.export.codecs import modelopt as codec
+from qtk.export.codecs.trtllm import w4a8_range_problem, w4a8_weight_amax
 from qtk.export.trtllm.algo import AWQ_GROUP_SIZES
 from qtk.io.safetensors import ShardedWriter
 from qtk.quant.qtensor import QTensor
@@ -41,6 +42,21 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
             raise UsageError(f"{where}: ModelOpt HF checkpoints carry FP8 KV-cache scales only", "set kv_cache type: float")
         return ("NVFP4" if a is not None else "W4A16_NVFP4"), None if kv is None else "FP8", w.group_size
     new = next_formats(recipe)
+    if new == ["W4A8-FP8"]:  # W4A8_AWQ, as ModelOpt's W4A8_AWQ_BETA_CFG exports it
+        if a.dynamic:
+            raise UsageError(f"{where}: ModelOpt's W4A8_AWQ quantizes activations to FP8 per tensor with a static "
+                             f"(calibrated) scale, not {a.describe()}",
+                             "set activations: {strategy: tensor, dynamic: false} for ModelOpt, or use --target vllm "
+                             "for per-token W4A8-FP8")
+        if recipe.writes_g_idx:
+            raise UsageError(f"{where}: ModelOpt's W4A8_AWQ has no g_idx for GPTQ actorder group", "set gptq actorder: static (no g_idx)")
+        kv = recipe.kv_cache
+        if kv is not None and not kv.is_fp8:
+            raise UsageError(f"{where}: ModelOpt HF checkpoints carry FP8 KV-cache scales only", "set kv_cache type: float")
+        return "W4A8_AWQ", None if kv is None else "FP8", w.group_size
+    if "FP8 block" in new:  # no fix of our own: the targets that accept the recipe are computed from their checks
+        raise UsageError(f"{where}: ModelOpt's only FP8 block export (quant_algo fp8_pb_wo) is weight-only; FP8 block "
+                         "with per-token-group FP8 activations has no ModelOpt HF form")
     if new:  # no fix of our own: the targets that accept the recipe are computed from their checks
         raise UsageError(f"{where}: qtk does not write {', '.join(new)} as a ModelOpt HF checkpoint")
     if a is not None and not a.is_fp8:
@@ -93,8 +109,13 @@ class ModelOptHFWriter(Writer):
         a, dtype = self.source.arch, self.source.dtype
         prefix = self.source.layer_prefix(r.index)
         for mod, qt in r.qweights.items():
-            amax = r.input_amax[mod] if self.algo in ("FP8", "NVFP4") else None
-            for k, t in codec.encode(self.algo, qt, amax, mod[len(prefix):] in self.prequant, dtype).items():
+            amax = r.input_amax[mod] if self.algo in ("FP8", "NVFP4", "W4A8_AWQ") else None
+            wamax = None
+            if self.algo == "W4A8_AWQ":  # one input_scale and weight_scale_2 per fused group, as ModelOpt unifies them
+                group = [prefix + m for m in a.fusion_group_of(mod[len(prefix):]) if prefix + m in r.qweights]
+                amax = max(r.input_amax[m] for m in group)
+                wamax = max(w4a8_weight_amax(r.qweights[m]) for m in group)
+            for k, t in codec.encode(self.algo, qt, amax, mod[len(prefix):] in self.prequant, dtype, wamax).items():
                 self.shards.add(f"{mod}.{k}", t)
         for name, t in r.dense.items():
             self.shards.add(name, t)
@@ -109,7 +130,7 @@ class ModelOptHFWriter(Writer):
         from qtk import __version__
 
         q = {"quant_algo": self.algo, "kv_cache_quant_algo": self.kv_algo}
-        if self.algo == "W4A16_AWQ":
+        if self.algo in ("W4A16_AWQ", "W4A8_AWQ"):
             q.update(group_size=self.group_size, has_zero_point=False, pre_quant_scale=True)
         elif self.algo in codec.NVFP4_ALGOS:
             q["group_size"] = self.group_size
@@ -160,14 +181,16 @@ class ModelOptHFCheckpoint(Checkpoint):
         self.exclude = list(q.get("exclude_modules") or qc.get("ignore") or [])
         if self.quant_algo == "FP8":
             self.weights_scheme, self.activations = SCHEMES["FP8"]
-        elif self.quant_algo == "W4A16_AWQ":
-            self.weights_scheme, self.activations = QuantScheme(4, "int", True, "group", int(q.get("group_size") or 128)), None
+        elif self.quant_algo in ("W4A16_AWQ", "W4A8_AWQ"):
+            self.weights_scheme = QuantScheme(4, "int", True, "group", int(q.get("group_size") or 128))
+            self.activations = QuantScheme(8, "float", True, "tensor") if self.quant_algo == "W4A8_AWQ" else None
         elif self.quant_algo in codec.NVFP4_ALGOS:
             self.weights_scheme = QuantScheme(4, "float", True, "tensor_group", 16)
             self.activations = (QuantScheme(4, "float", True, "tensor_group", 16, dynamic="local")
                                 if self.quant_algo == "NVFP4" else None)
         else:
-            raise UsageError(f"{path}: qtk reads ModelOpt HF checkpoints with quant_algo FP8, W4A16_AWQ, NVFP4 or W4A16_NVFP4, not {self.quant_algo}",
+            raise UsageError(f"{path}: qtk reads ModelOpt HF checkpoints with quant_algo FP8, W4A16_AWQ, W4A8_AWQ, NVFP4 or "
+                             f"W4A16_NVFP4, not {self.quant_algo}",
                              "inspect it with ModelOpt or TensorRT-LLM")
         kv = q.get("kv_cache_quant_algo") or ("FP8" if qc.get("kv_cache_scheme") else None)
         self.kv_cache = "fp8" if kv == "FP8" else None
@@ -219,6 +242,12 @@ class ModelOptHFCheckpoint(Checkpoint):
             expect_tensor(self, f"{module}.weight_scale", FLOATS, [out_f, in_f // g], problems, f" (group_size {g})")
             if self.has(f"{module}.pre_quant_scale"):
                 expect_tensor(self, f"{module}.pre_quant_scale", FLOATS, [in_f], problems)
+            if self.quant_algo == "W4A8_AWQ":
+                expect_tensor(self, f"{module}.weight_scale_2", torch.float32, SCALAR, problems)
+                expect_tensor(self, f"{module}.input_scale", torch.float32, SCALAR, problems, " (W4A8_AWQ has a static input scale)")
+                if not problems:
+                    p = w4a8_range_problem(self.qtensor(module), self.tensor(f"{module}.weight_scale_2"), module)
+                    problems += [p] if p else []
         return problems
 
     def dense_names(self) -> list[str]:

@@ -370,10 +370,13 @@ def _check_pair(weights: QuantScheme, activations: QuantScheme | None, where: st
                              f"{w.block_structure[1]} input columns", f"set activations group_size: {w.block_structure[1]}")
         return
     if w.type == "int" and w.num_bits == 4 and w.strategy == "group" and a.is_fp8:  # W4A8-FP8
-        if not (a.strategy == "token" and a.dynamic is True and w.symmetric and w.group_size == 128):
+        # per token, dynamic: vLLM's CompressedTensorsW4A8Fp8; per tensor, static: TensorRT-LLM's W4A8_AWQ
+        per_token = a.strategy == "token" and a.dynamic is True
+        per_tensor = a.strategy == "tensor" and not a.dynamic
+        if not ((per_token or per_tensor) and w.symmetric and w.group_size == 128):
             raise UsageError(f"{where}: int4 group weights run with 8-bit activations only as W4A8-FP8: symmetric "
-                             "groups of 128, FP8 activations per token, dynamic (vLLM's CompressedTensorsW4A8Fp8)",
-                             "use the w4a8-fp8 recipe as a template")
+                             "groups of 128, FP8 activations per token, dynamic (vLLM's CompressedTensorsW4A8Fp8) or "
+                             "per tensor, static (TensorRT-LLM's W4A8_AWQ)", "use the w4a8-fp8 recipe as a template")
         return
     if activations.type != weights.type:
         raise UsageError(f"{where}: activations are {activations.type} but weights are {weights.type}",

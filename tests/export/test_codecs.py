@@ -110,6 +110,7 @@ def _stored(parts: dict) -> dict:
     ("W8A8_SQ_PER_CHANNEL", QuantScheme(8, "int", True, "channel")),
     ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", QuantScheme(8, "int", True, "channel")),
     ("W4A16_AWQ", QuantScheme(4, "int", True, "group", 64)),
+    ("W4A8_AWQ", QuantScheme(4, "int", True, "group", 128)),
 ])
 @pytest.mark.parametrize("row", [False, True])
 def test_trtllm(algo, scheme, row):
@@ -133,13 +134,30 @@ def test_trtllm_plain_weights_are_what_the_build_requantizes(algo, bits):
 
 
 @pytest.mark.parametrize("algo,scheme", [("FP8", QuantScheme(8, "float", True, "tensor")),
-                                         ("W4A16_AWQ", QuantScheme(4, "int", True, "group", 128))])
+                                         ("W4A16_AWQ", QuantScheme(4, "int", True, "group", 128)),
+                                         ("W4A8_AWQ", QuantScheme(4, "int", True, "group", 128))])
 @pytest.mark.parametrize("prequant", [False, True])
 def test_modelopt(algo, scheme, prequant):
     qt = _qt((64, 256), scheme)
     stored = modelopt.encode(algo, qt, 2.5, prequant, BF16)
-    assert ("pre_quant_scale" in stored) == (prequant and algo == "W4A16_AWQ")
+    assert ("pre_quant_scale" in stored) == (prequant and algo != "FP8")
     _same(qt, modelopt.decode(algo, stored, scheme, BF16), torch.float32)
+    if algo == "W4A8_AWQ":  # ModelOpt's conventions: input amax / 448, the weight's max |q·s| / 448, 0-dim float32
+        assert stored["input_scale"].shape == stored["weight_scale_2"].shape == ()
+        assert float(stored["input_scale"]) == pytest.approx(2.5 / 448)
+        assert float(stored["weight_scale_2"]) * 448 == pytest.approx(float(qt.dequantize().abs().max()), rel=1e-6)
+
+
+def test_trtllm_w4a8_awq_scales():
+    """weights_scaling_factor_2 = max |q·s| / 448 (of the fused module when given), activation_scaling_factor =
+    input amax / 448: TensorRT-LLM divides the group scales by the first, so every q·s/scale_2 lies in FP8's range."""
+    scheme = QuantScheme(4, "int", True, "group", 128)
+    qt = _qt((64, 256), scheme)
+    stored = _stored(trtllm.encode("W4A8_AWQ", qt, 3.0, BF16, False))
+    assert float(stored["activation_scaling_factor"]) == pytest.approx(3.0 / 448)
+    s2 = float(stored["weights_scaling_factor_2"])
+    assert s2 * 448 == pytest.approx(float(qt.dequantize().abs().max()), rel=1e-6)
+    assert float(_stored(trtllm.encode("W4A8_AWQ", qt, 3.0, BF16, False, weight_amax=1.0))["weights_scaling_factor_2"]) == pytest.approx(1 / 448)
 
 
 def test_trtllm_decoder_refuses_smoothing_left_outside_the_weights():

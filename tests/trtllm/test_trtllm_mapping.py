@@ -47,6 +47,9 @@ MAPPED = [
     (dict(weights=W4(128), algorithm=[{"awq": {}}]), "W4A16_AWQ", None),
     (dict(weights=W4(64), algorithm=["gptq"]), "W4A16_AWQ", None),
     (dict(weights=W4(128)), "W4A16_AWQ", None),
+    # int4 groups of 128 with static per-tensor FP8 activations: ModelOpt's W4A8_AWQ (FP8 KV as FP8_KV_CFG adds it)
+    (dict(weights=W4(128), activations=FP8_STATIC, algorithm=["gptq"]), "W4A8_AWQ", None),
+    (dict(weights=W4(128), activations=FP8_STATIC, kv_cache=KV_FP8, algorithm=[{"awq": {}}]), "W4A8_AWQ", "FP8"),
 ]
 
 
@@ -55,7 +58,7 @@ def test_recipe_maps_to_quant_algo(doc, algo, kv):
     q = trtllm_quant(recipe(**doc))
     assert (q.quant_algo, q.kv_cache_quant_algo) == (algo, kv)
     cfg = q.config(["lm_head"])
-    if algo == "W4A16_AWQ":
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         assert cfg == {"quant_algo": algo, "kv_cache_quant_algo": kv, "group_size": doc["weights"]["group_size"],
                        "has_zero_point": False, "pre_quant_scale": True, "exclude_modules": ["lm_head"]}
     else:
@@ -84,7 +87,20 @@ REFUSED = [
     (dict(weights=I8T, activations=I8_TOKEN), "strategy: channel"),
     (dict(weights=I8T), "strategy: channel"),
     (dict(weights={"num_bits": 2, "type": "int", "strategy": "channel"}), "4- or 8-bit"),
+    # W4A8-FP8 per token (vLLM's): TensorRT-LLM's W4A8_AWQ has one static input scale per tensor
+    (dict(weights=W4(128), activations=FP8_TOKEN, algorithm=["gptq"]), "strategy: tensor, dynamic: false"),
+    (dict(weights=W4(128), activations=FP8_STATIC, algorithm=[{"gptq": {"actorder": "group"}}]), "actorder: static"),
 ]
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "fp8-block-kv8"])
+def test_fp8_block_is_refused_naming_the_hugging_face_form(name):
+    """FP8_BLOCK_SCALES runs in TensorRT-LLM's PyTorch backend from a Hugging Face checkpoint only (and ModelOpt's
+    TensorRT-LLM export of its FP8 block config fails): no fix of the mapping's own, check_targets names the
+    targets that accept the recipe for the model at hand."""
+    with pytest.raises(UsageError, match="FP8_BLOCK_SCALES.*--target hf-fp8") as e:
+        trtllm_quant(load_recipe(name))
+    assert e.value.fix is None
 
 
 @pytest.mark.parametrize("doc,fix", REFUSED)
@@ -119,6 +135,21 @@ def test_hf_modelopt_mapping():
         assert e.value.fix is None  # the targets to suggest are computed from their checks (tests/export/test_target_suggestions.py)
     with pytest.raises(UsageError, match="INT8 KV"):
         modelopt_quant(recipe(weights=W4(128), kv_cache=KV_INT))
+
+
+def test_hf_modelopt_w4a8_awq_and_fp8_block():
+    """W4A8_AWQ as ModelOpt's W4A8_AWQ_BETA_CFG (static per-tensor FP8 inputs); per-token W4A8-FP8 names the fix and
+    vLLM; FP8 block (ModelOpt's fp8_pb_wo is weight-only) is refused without a fix of its own (the accepting targets
+    are computed)."""
+    assert modelopt_quant(recipe(weights=W4(128), activations=FP8_STATIC)) == ("W4A8_AWQ", None, 128)
+    assert modelopt_quant(recipe(weights=W4(128), activations=FP8_STATIC, kv_cache=KV_FP8)) == ("W4A8_AWQ", "FP8", 128)
+    with pytest.raises(UsageError, match="per tensor with a static") as e:
+        modelopt_quant(load_recipe("w4a8-fp8"))
+    assert "--target vllm" in e.value.fix and "dynamic: false" in e.value.fix
+    for name in ("fp8-block", "fp8-block-kv8"):
+        with pytest.raises(UsageError, match="fp8_pb_wo") as e:
+            modelopt_quant(load_recipe(name))
+        assert e.value.fix is None
 
 
 GEO = Geometry(layers=4, hidden=256, intermediate=512, heads=8, kv_heads=2, head_dim=32, vocab=100)

@@ -10,6 +10,13 @@ engine decodes them (`decode`).
     W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN weight int8, per_channel_scale [1, out], smoother [1, in] on row-parallel ones
     W4A16_AWQ                            weight int8 [out/2, in] (int4 pairs), weights_scaling_factor f32 [out, groups],
                                          prequant_scaling_factor [in] (ones)
+    W4A8_AWQ                             as W4A16_AWQ (weights_scaling_factor is the real int4 scale, amax/7 in ModelOpt,
+                                         qtk's own grid here), plus weights_scaling_factor_2 f32 [1] = max |q·s| of the
+                                         fused module / 448 and activation_scaling_factor f32 [1] = input amax / 448;
+                                         TensorRT-LLM divides the group scales by the first and the pre-quant scale by
+                                         the second, and multiplies the output by alpha = their product, so the engine's
+                                         weight is q·s (as an FP8 value times weights_scaling_factor_2) and its input is
+                                         x quantized to FP8 per tensor
     W8A16, W4A16                         plain weights in the model dtype: trtllm-build quantizes them itself
     NVFP4, W4A16_NVFP4                   weight uint8 [out, in/2] (e2m1 codes, low nibble first), weights_scaling_factor
                                          fp8 [out, in/16], weights_scaling_factor_2 f32 [] (1/global scale, one per fused
@@ -33,6 +40,7 @@ INT8_MAX = 127.0
 # weight-only algorithms whose checkpoint holds plain weights: trtllm-build quantizes them per channel
 PLAIN_ALGOS = {"W8A16": 8, "W4A16": 4}
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+INT4_GROUP_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
 _FP4_INPUT_MAX = 448.0 * 6.0  # NVFP4's activation_scaling_factor is amax / (448 · 6), ModelOpt's inverse global scale
 
 
@@ -96,9 +104,28 @@ def act_scale(amax: float | None, qmax: float) -> torch.Tensor:
     return torch.tensor([amax / qmax if amax > 0 else 1.0], dtype=torch.float32)
 
 
-def encode(algo: str, qt: QTensor, amax: float | None, dtype: torch.dtype, row: bool) -> dict[str, Part]:
+def w4a8_weight_amax(qt: QTensor) -> float:
+    """max |q·s| of an int4 group QTensor: what ModelOpt's FP8 weight quantizer of W4A8_AWQ sees (over a fused
+    module, their maximum)."""
+    return float((qt.values.float().unflatten(1, (-1, qt.shape[1] // qt.scale.shape[1])) * qt.scale.float()[..., None])
+                 .abs().max())
+
+
+def w4a8_range_problem(qt: QTensor, scale_2: torch.Tensor, name: str) -> str | None:
+    """W4A8_AWQ's engine divides the group scales by scale_2 and runs q·s/scale_2 as FP8: a weight beyond 448·scale_2
+    would overflow it."""
+    s2 = float(scale_2.float().reshape(-1)[0])
+    wa = w4a8_weight_amax(qt)
+    if not s2 > 0 or wa > s2 * FP8_MAX * (1 + 2**-20):
+        return f"{name}: max |q·s| {wa:.4g} exceeds 448 × scale_2 ({s2:.4g}): the engine's FP8 weights would overflow"
+    return None
+
+
+def encode(algo: str, qt: QTensor, amax: float | None, dtype: torch.dtype, row: bool,
+           weight_amax: float | None = None) -> dict[str, Part]:
     """The logical tensors of one quantized Linear (before fusion and sharding). amax: its calibrated input range
-    (static activation algorithms); row: row-parallel (o_proj, down_proj)."""
+    (static activation algorithms); row: row-parallel (o_proj, down_proj); weight_amax: W4A8_AWQ's max |q·s| over
+    the fused module (weights_scaling_factor_2)."""
     out_f, in_f = qt.shape
     f32 = torch.float32
     if algo in PLAIN_ALGOS:
@@ -122,11 +149,16 @@ def encode(algo: str, qt: QTensor, amax: float | None, dtype: torch.dtype, row: 
         if row:
             parts["smoother"] = Part.of("smoother", torch.ones(1, in_f, dtype=f32))
         return parts
-    if algo == "W4A16_AWQ":
+    if algo in INT4_GROUP_ALGOS:
         # qtk's full grid (-8..7, amax/7.5; ModelOpt exports amax/7): the group-wise kernel computes q * s for any code
-        return {"weight": Part.of("weight", qt.values, pack_int4_pairs),
-                "weights_scaling_factor": Part.of("weights_scaling_factor", qt.scale.to(f32)),
-                "prequant_scaling_factor": Part.of("prequant_scaling_factor", torch.ones(in_f, dtype=dtype))}
+        parts = {"weight": Part.of("weight", qt.values, pack_int4_pairs),
+                 "weights_scaling_factor": Part.of("weights_scaling_factor", qt.scale.to(f32)),
+                 "prequant_scaling_factor": Part.of("prequant_scaling_factor", torch.ones(in_f, dtype=dtype))}
+        if algo == "W4A8_AWQ":
+            wa = w4a8_weight_amax(qt) if weight_amax is None else weight_amax
+            parts["weights_scaling_factor_2"] = Part.of("weights_scaling_factor_2", act_scale(wa, FP8_MAX))
+            parts["activation_scaling_factor"] = Part.of("activation_scaling_factor", act_scale(amax, FP8_MAX))
+        return parts
     if algo in NVFP4_ALGOS:
         gs = float(qt.extra[GLOBAL].reshape(()))
         parts = {"weight": Part.of("weight", qt.values, pack_fp4),  # split as codes, packed per rank
@@ -151,6 +183,9 @@ def layout(algo: str, out_f: int, in_f: int, group_size: int | None, dtype: torc
         "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": {"weight": ((torch.int8,), [out_f, in_f]), "per_channel_scale": ((f32,), [1, out_f])},
         "W4A16_AWQ": {"weight": ((torch.int8, torch.uint8), [out_f // 2, in_f]),
                       "weights_scaling_factor": ((f32,), [out_f, in_f // group_size if group_size else 0])},
+        "W4A8_AWQ": {"weight": ((torch.int8, torch.uint8), [out_f // 2, in_f]),
+                     "weights_scaling_factor": ((f32,), [out_f, in_f // group_size if group_size else 0]),
+                     "weights_scaling_factor_2": ((f32,), [1]), "activation_scaling_factor": ((f32,), [1])},
         "NVFP4": {"weight": ((torch.uint8,), [out_f, in_f // 2]), "weights_scaling_factor": ((torch.float8_e4m3fn,), [out_f, in_f // 16]),
                   "weights_scaling_factor_2": ((f32,), []), "activation_scaling_factor": ((f32,), [])},
         "W4A16_NVFP4": {"weight": ((torch.uint8,), [out_f, in_f // 2]),
@@ -179,7 +214,7 @@ def decode(algo: str, t: Mapping[str, torch.Tensor], scheme: QuantScheme, dtype:
         if k in t and not bool((t[k] == 1).all()):
             raise UsageError(f"{where}: {k} is not all ones (smoothing kept outside the weights)",
                              "qtk simulates checkpoints whose smoothing is folded into the weights, as qtk writes them")
-    if algo == "W4A16_AWQ":
+    if algo in INT4_GROUP_ALGOS:  # W4A8_AWQ: the weights_scaling_factor_2 TensorRT-LLM divides out, it multiplies back
         return QTensor(unpack_int4_pairs(t["weight"]), t["weights_scaling_factor"].float(), scheme, None, None, dtype)
     if algo in NVFP4_ALGOS:
         gs = 1.0 / t["weights_scaling_factor_2"].float().reshape(1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from qtk.errors import UsageError
 from qtk.export.base import next_format
-from qtk.export.codecs.trtllm import NVFP4_ALGOS, PLAIN_ALGOS
+from qtk.export.codecs.trtllm import INT4_GROUP_ALGOS, NVFP4_ALGOS, PLAIN_ALGOS
 from qtk.quant.scheme import QuantScheme
 from qtk.recipe.rules import ModuleScheme
 
@@ -36,7 +36,7 @@ class LayerAlgo:
 
     def config(self) -> dict:
         q = {"quant_algo": self.algo}
-        if self.algo == "W4A16_AWQ":
+        if self.algo in INT4_GROUP_ALGOS:
             q.update(group_size=self.group_size, has_zero_point=False, pre_quant_scale=True)
         elif self.algo in NVFP4_ALGOS:
             q["group_size"] = self.group_size
@@ -70,7 +70,7 @@ class TRTQuant:
         if self.mixed:  # the per-layer algorithms are quant_cfg.json's
             return {"quant_algo": MIXED, "kv_cache_quant_algo": self.kv_cache_quant_algo}
         q = {"quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo}
-        if self.quant_algo == "W4A16_AWQ":
+        if self.quant_algo in INT4_GROUP_ALGOS:
             q.update(group_size=self.group_size, has_zero_point=False, pre_quant_scale=True)
         elif self.quant_algo in NVFP4_ALGOS:
             q["group_size"] = self.group_size
@@ -96,6 +96,11 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
     | int4 group 64/128, sym  | -                    | W4A16_AWQ (also for RTN and GPTQ)    |
     | NVFP4                   | NVFP4 (dynamic local)| NVFP4                                |
     | NVFP4                   | -                    | W4A16_NVFP4                          |
+    | int4 group 128, sym     | fp8 tensor static    | W4A8_AWQ (also for RTN and GPTQ)     |
+
+    Refused, naming the target that runs them: W4A8-FP8 with dynamic per-token activations (TensorRT-LLM's W4A8_AWQ
+    takes one static FP8 input scale per tensor), FP8 blocks (TensorRT-LLM runs FP8_BLOCK_SCALES only in its PyTorch
+    backend, from a Hugging Face checkpoint; ModelOpt's TensorRT-LLM export of its FP8 block config fails too), MX.
     """
     w, a, steps = scheme.weights, scheme.activations, recipe.step_names
     where = f"recipe {recipe.name}"
@@ -103,6 +108,23 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
     if w.is_nvfp4:  # ModelOpt's export_tensorrt_llm_checkpoint of NVFP4_DEFAULT_CFG / W4A16_NVFP4_CFG
         return LayerAlgo("NVFP4" if a is not None else "W4A16_NVFP4", w.group_size), notes
     new = next_format(scheme)
+    if new == "W4A8-FP8":  # ModelOpt's export_tensorrt_llm_checkpoint of W4A8_AWQ_BETA_CFG
+        if a.dynamic:
+            raise UsageError(f"{where}: TensorRT-LLM's W4A8_AWQ quantizes activations to FP8 per tensor with a static "
+                             f"(calibrated) scale, not {a.describe()}",
+                             "set activations: {strategy: tensor, dynamic: false} for TensorRT-LLM, or use --target vllm "
+                             "for per-token W4A8-FP8")
+        if recipe.writes_g_idx:
+            raise UsageError(f"{where}: TensorRT-LLM's group-wise int4 kernels have no g_idx for GPTQ actorder group",
+                             "set gptq actorder: static (no g_idx)")
+        if "awq" not in steps:
+            notes.append(f"TensorRT-LLM: wrote the {'/'.join(steps)} int4 group-{w.group_size} weights as W4A8_AWQ "
+                         "(identity pre-quant scale)")
+        return LayerAlgo("W4A8_AWQ", w.group_size), notes
+    if new == "FP8 block":  # no fix of our own: the targets that accept the recipe are named by check_targets
+        raise UsageError(f"{where}: qtk does not write FP8 block as a TensorRT-LLM checkpoint: TensorRT-LLM runs FP8 "
+                         "block scales (FP8_BLOCK_SCALES) only in its PyTorch backend, which loads them from a Hugging "
+                         "Face checkpoint (quant_method fp8, as --target hf-fp8 writes)")
     if new:  # no fix of our own: the targets that accept the recipe are named by qtk.export.check_targets
         raise UsageError(f"{where}: qtk does not write {new} as a TensorRT-LLM checkpoint")
     if w.is_fp8:
@@ -190,6 +212,7 @@ def scheme_of(algo: str | None, group_size: int | None) -> ModuleScheme:
         "W8A16": (QuantScheme(8, "int", True, "channel"), None),
         "W4A16": (QuantScheme(4, "int", True, "channel"), None),
         "W4A16_AWQ": (QuantScheme(4, "int", True, "group", group_size or 128), None),
+        "W4A8_AWQ": (QuantScheme(4, "int", True, "group", group_size or 128), QuantScheme(8, "float", True, "tensor")),
         "NVFP4": (QuantScheme(4, "float", True, "tensor_group", 16), QuantScheme(4, "float", True, "tensor_group", 16, dynamic="local")),
         "W4A16_NVFP4": (QuantScheme(4, "float", True, "tensor_group", 16), None),
     }

@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_reader
 from qtk.export.checkpoint import Checkpoint
-from qtk.export.codecs.trtllm import PLAIN_ALGOS, axes, decode, layout
+from qtk.export.codecs.trtllm import PLAIN_ALGOS, axes, decode, layout, w4a8_range_problem
 from qtk.export.trtllm.algo import MIXED, LayerAlgo, scheme_of
 from qtk.export.trtllm.sharding import COLUMN, QKV, ROW
 from qtk.export.trtllm.writer import EXTRA_LAYER_NAMES
@@ -246,6 +246,9 @@ class TRTLLMCheckpoint(Checkpoint):
                                 f"{' or '.join(str(d).replace('torch.', '') for d in dtypes)}")
             elif list(x.shape) != sh and not (key.endswith("scaling_factor") and sh == [1] and x.numel() == 1):
                 problems.append(f"{name}.{key} (merged over ranks) has shape {list(x.shape)}, expected {sh} for {module}")
+        if algo == "W4A8_AWQ" and not problems:
+            p = w4a8_range_problem(self.qtensor(module), t["weights_scaling_factor_2"], f"{name} ({module})")
+            problems += [p] if p else []
         return problems
 
     def written_weight(self, module: str, qt: QTensor | None = None) -> torch.Tensor:

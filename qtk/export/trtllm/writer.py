@@ -13,7 +13,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_writer
 from qtk.export.base import Writer
-from qtk.export.codecs.trtllm import INT8_MAX, PLAIN_ALGOS, Part, encode
+from qtk.export.codecs.trtllm import INT8_MAX, PLAIN_ALGOS, Part, encode, w4a8_weight_amax
 from qtk.export.trtllm.algo import TRTQuant, trtllm_quant
 from qtk.export.trtllm.sharding import COLUMN, QKV, ROW, TRTModule, check_geometry, pad_vocab, shard_module
 from qtk.io.safetensors import ShardedWriter
@@ -147,9 +147,12 @@ class TRTLLMWriter(Writer):
             if qt is not None:
                 algo = algos[lin]
                 amax = r.input_amax.get(full)
-                if amax is not None and algo in ("FP8", "W8A8_SQ_PER_CHANNEL", "NVFP4"):  # a fused group sees one input: one scale
+                if amax is not None and algo in ("FP8", "W8A8_SQ_PER_CHANNEL", "NVFP4", "W4A8_AWQ"):  # a fused group sees one input: one scale
                     amax = max(r.input_amax.get(hf + m, 0.0) for m in a.fusion_group_of(lin))
-                p = encode(algo, qt, amax, dtype, row)
+                # W4A8_AWQ: one weights_scaling_factor_2 per fused module (TensorRT-LLM loads one per module)
+                wamax = (max(w4a8_weight_amax(qts[m]) for m in a.fusion_group_of(lin) if m in qts)
+                         if algo == "W4A8_AWQ" else None)
+                p = encode(algo, qt, amax, dtype, row, wamax)
             else:
                 p = {"weight": Part.of("weight", dense.pop(f"{full}.weight"))}
             b = dense.pop(f"{full}.bias", None)
