@@ -7,6 +7,7 @@ same tensors in the same dtypes and order (the meta skeleton's, which `qtk conve
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -71,19 +72,30 @@ class _LayerReader:
         self.ahead = None  # a read in flight after a failure is abandoned (a daemon thread)
 
 
-def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str]) -> LayerResult:
-    """The LayerResult of layer i from its tensors (relative name -> tensor in the compute dtype)."""
+def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str],
+                 measured: dict | None = None) -> LayerResult:
+    """The LayerResult of layer i from its tensors (relative name -> tensor in the compute dtype). measured: filled
+    with what the self-check needs of each quantized Linear (qtk.checks.Measured), taken from the one dequantization
+    that gives its error, so the check need not read the source or dequantize again."""
+    from qtk.checks import Measured, qtensor_digest
+
     arch, dtype, prefix = source.arch, source.dtype, source.layer_prefix(i)
-    weights = {t: tensors[t + ".weight"] for t in targets}
+    # one float32 copy of each weight: the quantizer's input and the error's reference
+    weights = {t: tensors[t + ".weight"].float() for t in targets}
     schemes = {t: recipe.scheme_for(prefix + t).weights for t in targets}
-    qweights = rtn.rtn_weights({t: w.float() for t, w in weights.items()}, schemes, arch, dtype)
+    qweights = rtn.rtn_weights(weights, schemes, arch, dtype)
     errors = {}
+    host = torch.device("cpu")
     for t, qt in qweights.items():
         if not torch.isfinite(qt.scale).all():
             raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
-        errors[prefix + t] = relative_error(engine_weight(qt), weights[t].float())
+        w_hat = engine_weight(qt)
+        errors[prefix + t] = relative_error(w_hat, weights.pop(t))
+        if measured is not None:  # the inf-norm is max |w| without an |w| copy
+            amax = float(torch.linalg.vector_norm(w_hat, ord=math.inf)) if w_hat.numel() else 0.0
+            measured[prefix + t] = Measured(qtensor_digest(qt.to(host)), errors[prefix + t], amax)
+        del w_hat
     quantized = {t + ".weight" for t in targets}
-    host = torch.device("cpu")
     dense = {prefix + k: v.detach().to(dtype).to(host) for k, v in tensors.items() if k not in quantized}
     return LayerResult(index=i, qweights={prefix + t: q.to(host) for t, q in qweights.items()}, dense=dense,
                        input_amax={}, k_amax=None, v_amax=None, weight_error=errors, records={},
@@ -115,7 +127,7 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     try:
         with WriteBehind(sinks, resume, overlap) as writer:
             for i in range(start, n):
-                result = layer_result(source, recipe, i, reader.get(i, n), target_linears(source, recipe, i))
+                result = layer_result(source, recipe, i, reader.get(i, n), target_linears(source, recipe, i), stats.measured)
                 stats.record(result)
                 writer.put(result, None)
                 done = LayerDone.of(result)
