@@ -7,7 +7,6 @@ same tensors in the same dtypes and order (the meta skeleton's, which `qtk conve
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable
 
@@ -91,8 +90,9 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
             raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
         w_hat = engine_weight(qt)
         errors[prefix + t] = relative_error(w_hat, weights.pop(t))
-        if measured is not None:  # the inf-norm is max |w| without an |w| copy
-            amax = float(torch.linalg.vector_norm(w_hat, ord=math.inf)) if w_hat.numel() else 0.0
+        if measured is not None:  # max |w| from one min/max pass (NaN in both when present), no |w| copy
+            lo, hi = torch.aminmax(w_hat) if w_hat.numel() else (torch.zeros(()), torch.zeros(()))
+            amax = max(-float(lo), float(hi))
             measured[prefix + t] = Measured(qtensor_digest(qt.to(host)), errors[prefix + t], amax)
         del w_hat
     quantized = {t + ".weight" for t in targets}
