@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.model.simulate import engine_weight
 from qtk.pipeline.device import compute_dtype, resolve_device
-from qtk.pipeline.loop import WriteBehind, background, relative_error, replay_layers, runnable_steps
+from qtk.pipeline.loop import WriteBehind, background, replay_layers, runnable_steps
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.pipeline.targets import check_group_size, target_linears
 from qtk.recipe import Recipe
@@ -71,6 +71,12 @@ class _LayerReader:
         self.ahead = None  # a read in flight after a failure is abandoned (a daemon thread)
 
 
+def _relative_error(w_hat: torch.Tensor, ref: torch.Tensor) -> float:
+    """qtk.pipeline.relative_error against a model-dtype reference, with no float32 copy of it: the difference
+    promotes it element by element, the norm accumulates in float32."""
+    return float((w_hat - ref).norm() / torch.linalg.vector_norm(ref, dtype=torch.float32).clamp_min(1e-12))
+
+
 def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str],
                  measured: dict | None = None) -> LayerResult:
     """The LayerResult of layer i from its tensors (relative name -> tensor in the compute dtype). measured: filled
@@ -79,8 +85,8 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
     from qtk.checks import Measured, qtensor_digest
 
     arch, dtype, prefix = source.arch, source.dtype, source.layer_prefix(i)
-    # one float32 copy of each weight: the quantizer's input and the error's reference
-    weights = {t: tensors[t + ".weight"].float() for t in targets}
+    # model-dtype weights: rtn_weights makes each one's float32 copy where it rounds it, one at a time
+    weights = {t: tensors[t + ".weight"] for t in targets}
     schemes = {t: recipe.scheme_for(prefix + t).weights for t in targets}
     qweights = rtn.rtn_weights(weights, schemes, arch, dtype)
     errors = {}
@@ -89,7 +95,7 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
         if not torch.isfinite(qt.scale).all():
             raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
         w_hat = engine_weight(qt)
-        errors[prefix + t] = relative_error(w_hat, weights.pop(t))
+        errors[prefix + t] = _relative_error(w_hat, weights.pop(t))
         if measured is not None:  # max |w| from one min/max pass (NaN in both when present), no |w| copy
             lo, hi = torch.aminmax(w_hat) if w_hat.numel() else (torch.zeros(()), torch.zeros(()))
             amax = max(-float(lo), float(hi))
@@ -112,8 +118,7 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     skeleton = source.skeleton()  # built and checked before any work already: its layer modules give names and order
     for name in source.non_layer_tensor_names():
         t = source.tensor(name)
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
+        _finite(name, t)  # no bool copy of an embedding (0.5 GB on Llama-3-8B) unless its sum is not finite
         for s in sinks:
             s.add_dense(name, t.to(source.dtype) if t.is_floating_point() else t)
         del t

@@ -17,7 +17,9 @@ from qtk.steps.registry import register_step
 
 def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme], arch, dtype) -> dict[str, QTensor]:
     """QTensors of `weights` (relative name -> [out, in]) with their weight schemes (relative name -> scheme; the
-    members of a fusion group share theirs); a per-tensor scale is taken over the whole fusion group."""
+    members of a fusion group share theirs); a per-tensor scale is taken over the whole fusion group. Each weight
+    is rounded from its float32 copy, made where it is used: a caller may pass model-dtype weights and hold one
+    float32 copy at a time (the data-free stream), not one per Linear of the layer."""
     out: dict[str, QTensor] = {}
     for g in arch.fusion_groups:
         members = [m for m in g if m in weights]
@@ -27,16 +29,16 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
             joint = torch.cat([weights[m].float() for m in members], dim=0)
             qp = fmt.qparams(joint, scheme, dtype)
             for m in members:
-                out[m] = QTensor.of(fmt.quantize(weights[m], qp, scheme, model_dtype=dtype), qp, scheme, dtype)
+                out[m] = QTensor.of(fmt.quantize(weights[m].float(), qp, scheme, model_dtype=dtype), qp, scheme, dtype)
         elif len(members) > 1:  # a tensor-wide part the fused GEMM shares (NVFP4's global scale), from the joint weights
             scheme = schemes[members[0]]
             fmt = format_for(scheme)
-            qps = fmt.fused_qparams([weights[m] for m in members], scheme, dtype)
+            qps = fmt.fused_qparams([weights[m].float() for m in members], scheme, dtype)
             for m, qp in zip(members, qps or ()):
-                out[m] = QTensor.of(fmt.quantize(weights[m], qp, scheme, model_dtype=dtype), qp, scheme, dtype)
+                out[m] = QTensor.of(fmt.quantize(weights[m].float(), qp, scheme, model_dtype=dtype), qp, scheme, dtype)
     for name, w in weights.items():
         if name not in out:
-            out[name] = QTensor.quantize(w, schemes[name], dtype)
+            out[name] = QTensor.quantize(w.float(), schemes[name], dtype)
     return out
 
 
