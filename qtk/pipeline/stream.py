@@ -15,7 +15,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.model.simulate import engine_weight
 from qtk.pipeline.device import compute_dtype, resolve_device
-from qtk.pipeline.loop import WriteBehind, background, replay_layers, runnable_steps
+from qtk.pipeline.loop import WriteBehind, background, relative_error, replay_layers, runnable_steps
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.pipeline.targets import check_group_size, target_linears
 from qtk.recipe import Recipe
@@ -71,12 +71,6 @@ class _LayerReader:
         self.ahead = None  # a read in flight after a failure is abandoned (a daemon thread)
 
 
-def _relative_error(w_hat: torch.Tensor, ref: torch.Tensor) -> float:
-    """qtk.pipeline.relative_error against a model-dtype reference, with no float32 copy of it: the difference
-    promotes it element by element, the norm accumulates in float32."""
-    return float((w_hat - ref).norm() / torch.linalg.vector_norm(ref, dtype=torch.float32).clamp_min(1e-12))
-
-
 def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str],
                  measured: dict | None = None) -> LayerResult:
     """The LayerResult of layer i from its tensors (relative name -> tensor in the compute dtype). measured: filled
@@ -85,22 +79,24 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
     from qtk.checks import Measured, qtensor_digest
 
     arch, dtype, prefix = source.arch, source.dtype, source.layer_prefix(i)
-    # model-dtype weights: rtn_weights makes each one's float32 copy where it rounds it, one at a time
+    # model-dtype weights: rtn_weights makes each one's float32 copy where it rounds it, one at a time, and hands
+    # it to `measure` with its QTensor while it is alive: one dequantization gives the error and the self-check's figures
     weights = {t: tensors[t + ".weight"] for t in targets}
     schemes = {t: recipe.scheme_for(prefix + t).weights for t in targets}
-    qweights = rtn.rtn_weights(weights, schemes, arch, dtype)
     errors = {}
     host = torch.device("cpu")
-    for t, qt in qweights.items():
+
+    def measure(t: str, w32: torch.Tensor, qt) -> None:
         if not torch.isfinite(qt.scale).all():
             raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
         w_hat = engine_weight(qt)
-        errors[prefix + t] = _relative_error(w_hat, weights.pop(t))
+        errors[prefix + t] = relative_error(w_hat, w32)
         if measured is not None:  # max |w| from one min/max pass (NaN in both when present), no |w| copy
             lo, hi = torch.aminmax(w_hat) if w_hat.numel() else (torch.zeros(()), torch.zeros(()))
-            amax = max(-float(lo), float(hi))
-            measured[prefix + t] = Measured(qtensor_digest(qt.to(host)), errors[prefix + t], amax)
-        del w_hat
+            measured[prefix + t] = Measured(qtensor_digest(qt.to(host)), errors[prefix + t], max(-float(lo), float(hi)))
+
+    qweights = rtn.rtn_weights(weights, schemes, arch, dtype, measure)
+    errors = {prefix + t: errors[prefix + t] for t in qweights}  # in the QTensors' order, as before
     quantized = {t + ".weight" for t in targets}
     dense = {prefix + k: v.detach().to(dtype).to(host) for k, v in tensors.items() if k not in quantized}
     return LayerResult(index=i, qweights={prefix + t: q.to(host) for t, q in qweights.items()}, dense=dense,
