@@ -1,12 +1,20 @@
-"""FP8 conversion time divided by the time to read the source and write the output once (goal <= 1.5).
+"""Conversion time divided by the time to read the source and write the output once (issue 13 goal: <= 1.5 for
+data-free recipes), and the conversion's peak host memory.
 
-    python benchmarks/convert_io.py [--repeats 3]
-    python benchmarks/convert_io.py --recipes fp8-dynamic w8a16 w4a16   # every data-free recipe (issue 13)
+    python benchmarks/convert_io.py [--repeats 3]                     # fp8-dynamic with and without hashing, and fp8
+    python benchmarks/convert_io.py --recipes data-free --layers 4 \\
+        --json benchmarks/results/convert_io_datafree.json            # every data-free recipe, --no-hash (issue 13)
+    python benchmarks/convert_io.py --recipes fp8-dynamic --shape llama3-8b --layers 2 --repeats 1
+                                                                      # peak RSS on Llama-3-8B's shapes (2.6 GB bf16)
 
 The I/O floor is measured on the same files: every source tensor read into memory (safetensors),
 then the converted checkpoint's tensors written once with safetensors and fsync'd. Page cache is
-warm for both (the source is read once before timing). Reported for `fp8-dynamic` (no calibration:
-pure streaming), and for `fp8` (static activation scales: includes the calibration forward passes).
+warm for both (the source is read once before timing). `convert_s` is the manifest's total (process
+start-up excluded); `prepare_s` is its part that opens the model (imports, config, the meta skeleton),
+which does not grow with the model, so `ratio_after_prepare` is what the ratio tends to on large models.
+`peak_rss_mb` is the kernel's ru_maxrss of the conversion process (file pages of the mmap'd source it
+touched count too). The --shape llama3-8b model is written tensor by tensor (random bf16, 1 GB shards),
+never held whole, so it can be built on a machine with little memory.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ import time
 from pathlib import Path
 
 from _common import dir_bytes, make_tiny_model, median, qtk_exe, run_measured, write_calib
+
+DATA_FREE = ["fp8-dynamic", "w8a16", "w4a16", "nvfp4-a16", "mxfp4-a16", "fp8-block"]
+SHAPES = {"llama3-8b": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)}
 
 
 def io_floor(src: Path, out: Path, tmp: Path) -> float:
@@ -41,43 +52,108 @@ def io_floor(src: Path, out: Path, tmp: Path) -> float:
     return t_read + t_write
 
 
+def make_shaped_model(path: Path, *, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                      vocab: int, shard_bytes: int = 1 << 30) -> Path:
+    """A random bf16 Llama of the given shapes, written one tensor at a time into safetensors shards with an index
+    (the names and shapes a meta-device model of the config has)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                               max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                               torch_dtype="bfloat16")
+    with torch.device("meta"):
+        names = [(n, tuple(p.shape)) for n, p in AutoModelForCausalLM.from_config(cfg).named_parameters()]
+    cfg.save_pretrained(str(path))
+    g = torch.Generator().manual_seed(0)
+    shard, size, files, weight_map = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update({k: name for k in shard})
+        shard, size = {}, 0
+
+    for n, shape in names:
+        if len(shape) == 2:
+            t = (torch.randn(shape, generator=g) * 0.08).to(torch.bfloat16)
+        else:
+            t = (torch.rand(shape, generator=g) * 0.8 + 0.6).to(torch.bfloat16)
+        shard[n] = t
+        size += t.numel() * 2
+        if size >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    total = sum((path / f).stat().st_size for f in files)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}, indent=2))
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="a named model's shapes (hidden, intermediate, heads, vocab) instead of --hidden/--intermediate")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--recipes", nargs="+", default=None,
-                    help="data-free recipes to time with --no-hash (default: fp8-dynamic with and without hashing, and fp8)")
+                    help="recipes to time with --no-hash; 'data-free' for all of " + ", ".join(DATA_FREE) +
+                         " (default: fp8-dynamic with and without hashing, and fp8)")
     a = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
         calib = write_calib(td / "calib.jsonl", n=200)
-        m = make_tiny_model(td / "m", layers=a.layers, hidden=a.hidden, intermediate=a.intermediate, heads=16, kv_heads=4)
+        if a.shape:
+            m = make_shaped_model(td / "m", layers=a.layers, **SHAPES[a.shape])
+        else:
+            m = make_tiny_model(td / "m", layers=a.layers, hidden=a.hidden, intermediate=a.intermediate, heads=16, kv_heads=4)
         size = dir_bytes(m)
-        print(f"model: {a.layers} layers, hidden {a.hidden}: {size / 1e6:.0f} MB bf16", flush=True)
-        runs = [(r, ["--no-hash"]) for r in a.recipes] if a.recipes else [
+        print(f"model: {a.layers} layers, {a.shape or f'hidden {a.hidden}'}: {size / 1e6:.0f} MB bf16", flush=True)
+        recipes = [r for x in (a.recipes or []) for r in (DATA_FREE if x == "data-free" else [x])]
+        runs = [(r, ["--no-hash"]) for r in recipes] if recipes else [
             ("fp8-dynamic", []), ("fp8-dynamic", ["--no-hash"]),
             ("fp8", ["--num-samples", "8", "--seq-len", "64", "--calib", str(calib)])]
+        for p in sorted(m.glob("*.safetensors")):  # the page cache warm for every run, the first included
+            with open(p, "rb") as f:
+                while f.read(1 << 24):
+                    pass
         for recipe, extra in runs:
             label = recipe + (" --no-hash" if "--no-hash" in extra else "")
-            conv, floors, walls = [], [], []
+            conv, prep, floors, walls, rss, timings = [], [], [], [], [], []
             for r in range(a.repeats):
                 out = td / "o"
-                wall, _ = run_measured([qtk_exe(), "convert", str(m), "--recipe", recipe, "-o", str(out), "--overwrite", *extra])
+                wall, peak = run_measured([qtk_exe(), "convert", str(m), "--recipe", recipe, "-o", str(out), "--overwrite", *extra])
                 # the conversion itself, as the manifest times it (process start-up and imports excluded)
-                conv.append(json.loads((out / "vllm" / "qtk.json").read_text())["timings"]["total"])
+                t = json.loads((out / "vllm" / "qtk.json").read_text())["timings"]
+                conv.append(t["total"])
+                prep.append(t.get("prepare", 0.0))
+                timings.append(t)
                 walls.append(wall)
+                rss.append(peak)
                 floors.append(io_floor(m, out / "vllm", td))
             ratio = median(conv) / median(floors)
-            results[label] = {"convert_s": median(conv), "process_wall_s": median(walls), "io_floor_s": median(floors), "ratio": ratio,
-                              "output_mb": dir_bytes(out / "vllm") / 1e6}
-            print(f"{label:24s} convert {median(conv):6.2f}s (process {median(walls):.2f}s incl. imports), read+write once {median(floors):6.2f}s, "
-                  f"ratio {ratio:5.2f}", flush=True)
+            after = (median(conv) - median(prep)) / median(floors)
+            results[label] = {"convert_s": median(conv), "prepare_s": median(prep), "process_wall_s": median(walls),
+                              "io_floor_s": median(floors), "ratio": ratio, "ratio_after_prepare": after,
+                              "peak_rss_mb": median(rss) / 1e6, "output_mb": dir_bytes(out / "vllm") / 1e6,
+                              "timings": {k: median([x.get(k, 0.0) for x in timings]) for k in timings[0]}}
+            print(f"{label:24s} convert {median(conv):6.2f}s (of it prepare {median(prep):.2f}s; process {median(walls):.2f}s "
+                  f"incl. imports), read+write once {median(floors):6.2f}s, ratio {ratio:5.2f} ({after:5.2f} after prepare), "
+                  f"peak RSS {median(rss) / 1e6:.0f} MB", flush=True)
     if a.json:
-        a.json.write_text(json.dumps(results, indent=2))
+        a.json.write_text(json.dumps({"model_mb": size / 1e6, "layers": a.layers, "shape": a.shape or
+                                      {"hidden": a.hidden, "intermediate": a.intermediate}, "repeats": a.repeats,
+                                      "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,40 @@ class CheckReport:
         self.checks.append(Check(name, not problems, shown if problems else detail))
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What the data-free stream measured of one Linear while its source weight was in memory: the digest of the
+    QTensor it handed the writers, that QTensor's error against the source, and the largest |weight| it decodes to.
+    A Linear that decodes from disk to the same digest has exactly that error and that range (the self-check need
+    not read the source or dequantize again); one that decodes to anything else is compared with the source in full
+    (a target may store a QTensor otherwise and decode it to a different but equally good one: TensorRT-LLM's
+    rescaled int8, GPTQ's fp16)."""
+
+    digest: int
+    error: float
+    amax: float
+
+
+def qtensor_digest(qt) -> int:
+    """CRC-32 over everything that decides a QTensor's decoded weight: scheme, dtype, shape, and the bytes of its
+    values, scale, zero point, g_idx and a format's extra tensors. CRC-32 catches any one changed byte (and any burst
+    up to 32 bits) and runs at memory speed, unlike a cryptographic hash; this guards against writer bugs, not forgery."""
+    import zlib
+
+    import torch
+
+    crc = zlib.crc32(repr((qt.scheme, str(qt.dtype), tuple(qt.shape))).encode())
+    for name, t in (("values", qt.values), ("scale", qt.scale), ("zero_point", qt.zero_point), ("g_idx", qt.g_idx),
+                    *sorted(qt.extra.items())):
+        if t is None:
+            crc = zlib.crc32(f"{name}: none".encode(), crc)
+            continue
+        t = t.detach().cpu().contiguous()
+        crc = zlib.crc32(f"{name}: {t.dtype} {list(t.shape)}".encode(), crc)
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
 # ---- config and expected tensors ----
 
 def config_problems(cfg: dict) -> list[str]:
@@ -187,12 +221,16 @@ def _kv_bounds(ck, arch, layer: int, rownorm: dict, dense_stats: dict) -> tuple[
     return out[0], out[1]
 
 
-def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> CheckReport:
+def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
+                     measured: dict[str, Measured] | None = None) -> CheckReport:
     """Judge the checkpoint `ck` (a reader from qtk.export.open_checkpoint) from its bytes.
 
     source: the model it was converted from (qtk.model.source.ModelSource), for the per-Linear comparison; without
     it that check is reported as skipped, with `source_note` saying why. recipe: the recipe it was converted with
-    (default: the one qtk.json records), for the set of Linears that must be quantized."""
+    (default: the one qtk.json records), for the set of Linears that must be quantized. measured: module -> what the
+    conversion measured of it against `source` (the convert self-check of a data-free run): a Linear whose decoded
+    QTensor has the measured digest takes the measured error and range instead of re-reading the source; any other
+    is compared in full."""
     import torch
 
     from qtk.pipeline import relative_error
@@ -239,7 +277,9 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
             if tuple(qt.shape) != tuple(shape):
                 structure.append(f"{m} decodes to {list(qt.shape)}, the config implies {shape}")
                 continue
-            w = ck.written_weight(m, qt)
+            known = (measured or {}).get(m)
+            same = known is not None and qtensor_digest(qt) == known.digest
+            w = None if same else ck.written_weight(m, qt)
             scheme = ck.scheme_for(m)
             act_scheme = scheme.activations if scheme is not None else None
             in_scale = ck.input_scale(m) if (act_scheme is not None and act_scheme.has_static_scale) else None
@@ -255,15 +295,19 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
         if not (torch.isfinite(qt.scale).all() and (qt.scale > 0).all()):
             bad_scale.append(m)
         v = qt.values.reshape(-1)
-        if v.numel() > 1 and bool((v == v[0]).all()):
+        lo, hi = (int(x) for x in torch.aminmax(v)) if s.type == "int" and v.numel() else (0, 0)  # one pass, not two
+        if v.numel() > 1 and (lo == hi if s.type == "int" else _constant(v)):
             constant.append(f"{m}: every quantized value is {v[0].item()} (collapsed)")
-        if s.type == "int" and v.numel() and (int(v.min()) < s.qmin or int(v.max()) > s.qmax):
-            off_grid.append(f"{m} holds values {int(v.min())}..{int(v.max())}, outside int{s.num_bits}'s {s.qmin}..{s.qmax}")
+        if s.type == "int" and v.numel() and (lo < s.qmin or hi > s.qmax):
+            off_grid.append(f"{m} holds values {lo}..{hi}, outside int{s.num_bits}'s {s.qmin}..{s.qmax}")
         elif s.is_fp4 and v.numel() and int(v.max()) > 15:
             off_grid.append(f"{m} holds codes up to {int(v.max())}, outside FP4's 0..15")
         bad_global.extend(_format_scale_problems(m, qt, global_scales))
         fp4_mx = fp4_mx or s.is_nvfp4 or s.is_mx
-        amax = float(w.abs().max()) if w.numel() else 0.0
+        if same:
+            amax = known.amax
+        else:
+            amax = float(w.abs().max()) if w.numel() else 0.0
         if not math.isfinite(amax) or amax > WEIGHT_RANGE[1] or 0 < amax < WEIGHT_RANGE[0]:
             implausible.append(f"{m} decodes to weights up to {amax:.3g} (scale {float(qt.scale.abs().max()):.3g}), "
                                f"outside {WEIGHT_RANGE[0]:g}..{WEIGHT_RANGE[1]:g}")
@@ -277,12 +321,24 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
                 a = float(in_scale.reshape(-1)[0]) * qmax
             if not (math.isfinite(a) and ACT_RANGE[0] < a < ACT_RANGE[1]):
                 act.append(f"{m}.input_scale implies activations up to {a:.3g}")
-        if arch is not None and m.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "qkv_proj"):
+        if arch is not None and m.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "qkv_proj") and (w is not None or ck.kv_cache):
+            if w is None:  # only the KV check uses the row norms
+                w = ck.written_weight(m, qt)
             rownorm[m] = float(w.norm(dim=1).max())
         if source is not None and arch is not None:
             layer_records = algo_records.get(str(layer_of(m, arch)))
             if frame_unknown(layer_records):
                 uncompared.append(m)
+                continue
+            if same:  # these bytes decode to exactly what was measured against the source
+                err = rep.errors[m] = known.error
+                if not err <= bound:
+                    compare.append(f"{m}: error {err:.3f} against the source exceeds {bound} for {s.describe()}")
+                elif m in recorded and not abs(err - float(recorded[m])) <= MANIFEST_TOLERANCE:
+                    compare.append(f"{m}: error {err:.4f} on disk, qtk.json recorded {float(recorded[m]):.4f}")
+                elif recorded and m not in recorded:
+                    compare.append(f"{m}: qtk.json records no error for it")
+                del qt
                 continue
             try:
                 ref = reference_weight(source, m, arch, layer_records)
@@ -320,17 +376,18 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
             if not t.is_floating_point():
                 structure.append(f"{name} is stored as {str(t.dtype).replace('torch.', '')}, not a float tensor")
                 continue
-            tf = t.float()
-            if not torch.isfinite(tf).all():
+            # a sum is non-finite whenever a NaN/Inf is present; the exact scan runs only then (no float32 copy of
+            # an embedding: 2 GB on Llama-3-8B)
+            if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                 nonfinite.append(name)
                 continue
             if name.endswith("norm.weight"):
-                stats[name] = float(((1 + tf) if one_plus else tf).abs().max())
+                stats[name] = float(((1 + t.float()) if one_plus else t.float()).abs().max())
             elif name.endswith(".bias"):
-                stats[name] = float(tf.abs().max())
+                stats[name] = float(t.float().abs().max())
             elif arch is not None and name.endswith(("k_proj.weight", "v_proj.weight", "qkv_proj.weight")):
-                rownorm[name[: -len(".weight")]] = float(tf.norm(dim=1).max())
-            del t, tf
+                rownorm[name[: -len(".weight")]] = float(t.float().norm(dim=1).max())
+            del t
     except QtkError as e:
         structure.append(str(e.problem))
     for group in tied:
@@ -375,6 +432,20 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "") -> 
         rep.add("static activation scales present and plausible", [f"{m}.input_scale is missing" for m in no_in[:3]] + act)
     rep.add("dense tensors finite", [f"{n} has NaN/Inf" for n in nonfinite])
     return rep
+
+
+def _constant(v) -> bool:
+    """Whether every element of the 1-D float tensor `v` equals the first (as `(v == v[0]).all()`: +0 equals -0, NaN
+    equals nothing). FP8's == has no vectorized kernel; its bytes are compared instead."""
+    import torch
+
+    if v.element_size() != 1:
+        return bool((v == v[0]).all())
+    u = v.view(torch.uint8)
+    lo, hi = torch.aminmax(u)
+    if not v.is_floating_point() or int(lo) != int(hi):  # FP4 codes are uint8: equal values are equal bytes
+        return int(lo) == int(hi) or (v.is_floating_point() and int(torch.aminmax(u & 0x7F)[1]) == 0)  # only ±0
+    return not bool(torch.isnan(v[0].float()))
 
 
 def _format_scale_problems(m: str, qt, global_scales: dict[str, float]) -> list[str]:

@@ -96,6 +96,57 @@ def test_a_writer_writing_a_wrong_scale_fails_the_self_check(tiny_llama, calib_f
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
 
+def test_one_wrong_byte_fails_the_self_check_of_a_data_free_conversion(tiny_llama, tmp_path, monkeypatch):
+    """The data-free stream hands the self-check what it measured of each QTensor (a digest, the error against the
+    source); the check decodes the bytes on disk, and one that decodes to another digest is compared with the source
+    in full. One FP8 code written as -448 is one byte; its error no longer matches qtk.json's."""
+    encode = ct.encode
+    hit = []
+
+    def one_code_off(qt, dtype, fmt):
+        out = encode(qt, dtype, fmt)
+        if not hit:
+            b = out["weight"].clone().view(torch.uint8)
+            assert int(b.view(-1)[0]) != 0xFE
+            b.view(-1)[0] = 0xFE  # E4M3 -448
+            out["weight"] = b.view(torch.float8_e4m3fn)
+            hit.append(True)
+        return out
+
+    monkeypatch.setattr(ct, "encode", one_code_off)
+    code, _, err = convert(tiny_llama, "fp8-dynamic", tmp_path / "o", None, "vllm")
+    line = _one_error_line(code, err)
+    assert hit and "on disk, qtk.json recorded" in line, line
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_the_self_check_of_a_data_free_conversion_takes_what_the_stream_measured(tiny_llama, tmp_path, monkeypatch):
+    """Linears that decode from disk to exactly the QTensor the stream measured are not re-read from the source nor
+    dequantized again; their errors in the report are the measured ones, and the whole check passes."""
+    import qtk.checks as checks
+
+    reads, reports = [], []
+    reference, check = checks.reference_weight, checks.check_checkpoint
+
+    def counting(source, module, arch, records):
+        reads.append(module)
+        return reference(source, module, arch, records)
+
+    def keeping(ck, **kw):
+        reports.append((check(ck, **kw), kw.get("measured")))
+        return reports[-1][0]
+
+    monkeypatch.setattr(checks, "reference_weight", counting)
+    monkeypatch.setattr(checks, "check_checkpoint", keeping)
+    code, _, err = convert(tiny_llama, "w4a16", tmp_path / "o", None, "vllm")
+    assert code == 0, err
+    (rep, measured), = reports
+    assert rep.ok and reads == [] and len(measured) == len(rep.errors) > 0
+    assert rep.errors == {m: k.error for m, k in measured.items()}
+    manifest = json.loads((tmp_path / "o" / "vllm" / "qtk.json").read_text())
+    assert manifest["stats"]["weight_error"] == pytest.approx(rep.errors)
+
+
 def test_inspect_fails_a_gptq_checkpoint_whose_g_idx_was_removed(tiny_llama, calib_file, tmp_path, group_recipe):
     code, out, err = convert(tiny_llama, group_recipe, tmp_path / "o", calib_file, "gptq")
     assert code == 0, err

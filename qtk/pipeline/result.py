@@ -71,6 +71,7 @@ class PipelineStats:
     records: dict[int, dict] = field(default_factory=dict)  # layer -> records_json(): the manifest's stats.algorithm
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE block -> calibration tokens per expert
     spilled_batches: int = 0  # calibration batches that waited in host memory (over the device budget), all layers
+    measured: dict = field(default_factory=dict)  # module -> qtk.checks.Measured (the data-free stream's, for its self-check)
 
     def record(self, r: LayerResult) -> None:
         self.layers += 1

@@ -71,19 +71,33 @@ class _LayerReader:
         self.ahead = None  # a read in flight after a failure is abandoned (a daemon thread)
 
 
-def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str]) -> LayerResult:
-    """The LayerResult of layer i from its tensors (relative name -> tensor in the compute dtype)."""
+def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str],
+                 measured: dict | None = None) -> LayerResult:
+    """The LayerResult of layer i from its tensors (relative name -> tensor in the compute dtype). measured: filled
+    with what the self-check needs of each quantized Linear (qtk.checks.Measured), taken from the one dequantization
+    that gives its error, so the check need not read the source or dequantize again."""
+    from qtk.checks import Measured, qtensor_digest
+
     arch, dtype, prefix = source.arch, source.dtype, source.layer_prefix(i)
+    # model-dtype weights: rtn_weights makes each one's float32 copy where it rounds it, one at a time, and hands
+    # it to `measure` with its QTensor while it is alive: one dequantization gives the error and the self-check's figures
     weights = {t: tensors[t + ".weight"] for t in targets}
     schemes = {t: recipe.scheme_for(prefix + t).weights for t in targets}
-    qweights = rtn.rtn_weights({t: w.float() for t, w in weights.items()}, schemes, arch, dtype)
     errors = {}
-    for t, qt in qweights.items():
+    host = torch.device("cpu")
+
+    def measure(t: str, w32: torch.Tensor, qt) -> None:
         if not torch.isfinite(qt.scale).all():
             raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
-        errors[prefix + t] = relative_error(engine_weight(qt), weights[t].float())
+        w_hat = engine_weight(qt)
+        errors[prefix + t] = relative_error(w_hat, w32)
+        if measured is not None:  # max |w| from one min/max pass (NaN in both when present), no |w| copy
+            lo, hi = torch.aminmax(w_hat) if w_hat.numel() else (torch.zeros(()), torch.zeros(()))
+            measured[prefix + t] = Measured(qtensor_digest(qt.to(host)), errors[prefix + t], max(-float(lo), float(hi)))
+
+    qweights = rtn.rtn_weights(weights, schemes, arch, dtype, measure)
+    errors = {prefix + t: errors[prefix + t] for t in qweights}  # in the QTensors' order, as before
     quantized = {t + ".weight" for t in targets}
-    host = torch.device("cpu")
     dense = {prefix + k: v.detach().to(dtype).to(host) for k, v in tensors.items() if k not in quantized}
     return LayerResult(index=i, qweights={prefix + t: q.to(host) for t, q in qweights.items()}, dense=dense,
                        input_amax={}, k_amax=None, v_amax=None, weight_error=errors, records={},
@@ -100,8 +114,7 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     skeleton = source.skeleton()  # built and checked before any work already: its layer modules give names and order
     for name in source.non_layer_tensor_names():
         t = source.tensor(name)
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
+        _finite(name, t)  # no bool copy of an embedding (0.5 GB on Llama-3-8B) unless its sum is not finite
         for s in sinks:
             s.add_dense(name, t.to(source.dtype) if t.is_floating_point() else t)
         del t
@@ -115,7 +128,7 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     try:
         with WriteBehind(sinks, resume, overlap) as writer:
             for i in range(start, n):
-                result = layer_result(source, recipe, i, reader.get(i, n), target_linears(source, recipe, i))
+                result = layer_result(source, recipe, i, reader.get(i, n), target_linears(source, recipe, i), stats.measured)
                 stats.record(result)
                 writer.put(result, None)
                 done = LayerDone.of(result)

@@ -7,6 +7,8 @@ element i of a word at bits*(i % per_word), least significant first; int4 [0..7]
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -63,7 +65,18 @@ def pack_ct(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_ct(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
-    return (unpack_words(packed, bits, in_features) - offset(bits)).to(torch.int8)
+    """Inverse of pack_ct. On a little-endian host the words' bytes hold their values in order (slot i at bit
+    bits*i), so the values come out of the bytes in uint8, an eighth of unpack_words' int64 traffic: the decode of
+    every written Linear in the convert self-check runs through here."""
+    if sys.byteorder != "little" or 8 % bits:
+        return (unpack_words(packed, bits, in_features) - offset(bits)).to(torch.int8)
+    per = 8 // bits
+    b = packed.contiguous().view(torch.uint8)
+    if per > 1:
+        shifts = torch.arange(per, dtype=torch.uint8) * bits
+        b = (b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    v = b.reshape(packed.shape[0], -1)[:, :in_features]
+    return (v.view(torch.int8) - offset(bits)) if bits < 8 else (v ^ 0x80).view(torch.int8).contiguous()
 
 
 def pack_ct_zero_point(z: torch.Tensor, bits: int) -> torch.Tensor:

@@ -62,3 +62,32 @@ def test_stream_refuses_a_nan_weight(tmp_path):
     save_file(sd, str(model / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UsageError, match="model.layers.1.mlp.up_proj.weight contains NaN"):
         run_data_free(ModelSource(model), load_recipe("w8a16"), [Keep()])
+
+
+def test_stream_holds_one_float32_copy_at_a_time_and_measures_for_the_self_check(tmp_path, monkeypatch):
+    """The layer's weights reach rtn_weights in the model dtype (it makes each float32 copy where it rounds it, so a
+    Llama-3-8B layer holds one 235 MB copy, not 872 MB of them); and every quantized Linear gets what the self-check
+    needs (qtk.checks.Measured): its error as recorded, its QTensor's digest, its max |w|."""
+    import torch
+
+    from qtk.checks import qtensor_digest
+    from qtk.model.simulate import engine_weight
+    from qtk.steps import rtn
+
+    model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
+    seen, rtn_weights = [], rtn.rtn_weights
+
+    def spy(weights, *a):
+        seen.extend(w.dtype for w in weights.values())
+        return rtn_weights(weights, *a)
+
+    monkeypatch.setattr(rtn, "rtn_weights", spy)
+    b = Keep()
+    stats = run_data_free(ModelSource(model), load_recipe("w4a16"), [b])
+    assert seen and set(seen) == {torch.bfloat16}
+    qweights = {k: q for r in b.layers for k, q in r.qweights.items()}
+    assert set(stats.measured) == set(qweights) == set(stats.weight_error)
+    for k, q in qweights.items():
+        m = stats.measured[k]
+        assert m.error == stats.weight_error[k] and m.digest == qtensor_digest(q)
+        assert m.amax == float(engine_weight(q).abs().max())
