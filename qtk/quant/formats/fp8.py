@@ -17,6 +17,7 @@ import torch
 from qtk.quant.formats.base import register_format
 from qtk.quant.formats.grouped import GroupedFormat
 from qtk.quant.formats.integer import HALF, _rounded
+from qtk.quant.fp8_block import fp8_group_fake_quant
 from qtk.quant.scheme import FP8_MAX, QuantScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -52,6 +53,23 @@ class FP8Format(GroupedFormat):
 
     def max_value(self, scheme: QuantScheme) -> float:
         return FP8_MAX
+
+    def fake_quant_activation(self, x, scheme, scale=None):
+        if x.dtype not in HALF:
+            return super().fake_quant_activation(x, scheme, scale)
+        # a bf16 / fp16 model: compressed-tensors' run-time path computes in x's dtype (the scale amax/448 rounded
+        # to it, x / scale rounded to it before the fp8 cast, the product too); float32 arithmetic differs
+        if scheme.dynamic and scheme.strategy == "token":
+            return fp8_group_fake_quant(x, None)
+        if scheme.dynamic:
+            amax = x.detach().abs().amax().float()
+            s = (amax / FP8_MAX).to(x.dtype)
+            s = torch.where(s == 0, torch.finfo(x.dtype).eps, s)
+        elif scale is None:
+            raise ValueError("static activation quantization needs a calibrated input scale")
+        else:
+            s = scale.reshape(()).to(x.dtype)
+        return (x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(x.dtype) * s
 
     def round_activation_(self, y, scheme):
         return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
