@@ -176,7 +176,7 @@ def test_fp8_block_codes_equal_compressed_tensors(dtype):
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8"])
 def test_fp8_checkpoint_on_disk_equals_compressed_tensors(recipe, tiny_llama, calib_file, tmp_path):
     """fp8-dynamic (per channel) and fp8 (per tensor; q/k/v and gate/up share the group's scale, as vLLM fuses them):
-    the weight bytes and weight_scale written for every Linear are compressed-tensors' for those scales, in bf16."""
+    the weight bytes and weight_scale values written for every Linear are compressed-tensors' for those scales."""
     res = api.convert(tiny_llama, recipe, tmp_path / "o", targets=["vllm"], hash_source=False,
                       **({"calib": str(calib_file), "num_samples": 2, "seq_len": 32} if recipe == "fp8" else {}))
     ck = open_checkpoint(res.outputs["vllm"])
@@ -187,7 +187,9 @@ def test_fp8_checkpoint_on_disk_equals_compressed_tensors(recipe, tiny_llama, ca
         w = src[f"{m}.weight"]
         assert w.dtype == torch.bfloat16
         scale = ck.tensor(f"{m}.weight_scale")
-        assert scale.dtype == torch.bfloat16, m
+        # stored float32 (compressed-tensors then decompresses to the exact product, as vLLM applies it), bf16 values
+        assert scale.dtype == torch.float32 and torch.equal(scale.to(torch.bfloat16).float(), scale), m
+        scale = scale.to(torch.bfloat16)
         if args.strategy == "channel":
             assert torch.equal(scale, ct_fp8(w, FP8_SCHEMES["fp8-channel"])[1]), m
         codes = ct_quantize(w, scale.reshape(-1, 1) if args.strategy == "channel" else scale, None, args,
