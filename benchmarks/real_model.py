@@ -1,7 +1,8 @@
 """qtk against llm-compressor on a real pretrained model: per built-in recipe, held-out perplexity of both tools'
 vLLM (compressed-tensors) checkpoints made from the same calibration token ids, wall time and peak RSS of each
-conversion; for w4a16 (round-to-nearest) the integer codes and scales of both checkpoints compared tensor by
-tensor; for fp8 a second llm-compressor run with its moving-average activation observer.
+conversion; for the round-to-nearest recipes w4a16, fp8-dynamic and w8a16 the codes (integer or fp8) and scales of
+both checkpoints compared tensor by tensor; for fp8 a second llm-compressor run with its moving-average activation
+observer.
 
     nice .venv/bin/python benchmarks/real_model.py [--recipes w4a16 w4a16-gptq ...] [--num-samples 16]
         [--seq-len 512] [--ppl-tokens 4096] [--threads 2]
@@ -57,6 +58,9 @@ DOC = ROOT / "docs" / "real-model.md"
 RECIPES = ("w4a16", "w4a16-gptq", "w4a16-awq", "fp8", "fp8-kv8", "fp8-dynamic", "w8a16", "w8a16-gptq", "w8a8-sq",
            "int8-kv8")
 TOOLS = ("qtk", "llmcompressor", "llmcompressor_minmax_observer")
+# round-to-nearest recipes whose codes and scales both tools compute from the same weights alone (fp8's per-tensor
+# scales differ by design: qtk shares one per fused group), compared tensor by tensor
+ROUND_TO_NEAREST = ("w4a16", "fp8-dynamic", "w8a16")
 FP8_KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
@@ -206,7 +210,7 @@ def overlap_runs(calib_ids, windows, n: int = 16) -> int:
 
 
 def compare_codes(qtk_dir: Path, llmc_dir: Path) -> dict:
-    """Integer codes and scales of two pack-quantized checkpoints, tensor by tensor."""
+    """Integer (pack-quantized) or fp8 (float-quantized) codes and scales of two checkpoints, tensor by tensor."""
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors import safe_open
@@ -221,19 +225,24 @@ def compare_codes(qtk_dir: Path, llmc_dir: Path) -> dict:
     a, b = tensors(qtk_dir), tensors(llmc_dir)
     bits = json.loads((Path(qtk_dir) / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"]
     rows, codes_eq, codes_n, sc_eq, sc_n = {}, 0, 0, 0, 0
-    for k in sorted(x for x in a if x.endswith(".weight_packed")):
-        m = k[: -len(".weight_packed")]
-        shape = torch.Size(a[f"{m}.weight_shape"].tolist())
-        ca = unpack_from_int32(a[k], bits, shape)
-        cb = unpack_from_int32(b[k], bits, torch.Size(b[f"{m}.weight_shape"].tolist()))
-        sa, sb = a[f"{m}.weight_scale"].float(), b[f"{m}.weight_scale"].float()
+    fp8 = [x[: -len(".weight")] for x in a if x.endswith(".weight") and a[x].dtype == torch.float8_e4m3fn]
+    scale_dtypes = set()
+    for m in sorted([x[: -len(".weight_packed")] for x in a if x.endswith(".weight_packed")] + fp8):
+        if m in fp8:  # fp8 codes compared as bytes
+            ca, cb = a[f"{m}.weight"].view(torch.uint8), b[f"{m}.weight"].view(torch.uint8)
+        else:
+            ca = unpack_from_int32(a[f"{m}.weight_packed"], bits, torch.Size(a[f"{m}.weight_shape"].tolist()))
+            cb = unpack_from_int32(b[f"{m}.weight_packed"], bits, torch.Size(b[f"{m}.weight_shape"].tolist()))
+        scale_dtypes.add(f"qtk {a[f'{m}.weight_scale'].dtype}, llm-compressor {b[f'{m}.weight_scale'].dtype}")
+        sa, sb = a[f"{m}.weight_scale"].float().reshape(-1), b[f"{m}.weight_scale"].float().reshape(-1)
         eq, seq_ = int((ca == cb).sum()), int((sa == sb).sum())
         rows[m] = {"codes_equal": round(eq / ca.numel(), 6), "scales_equal": round(seq_ / sa.numel(), 6),
                    "max_code_diff": int((ca.int() - cb.int()).abs().max()),
                    "scale_rel_diff_median": float(((sa - sb).abs() / sb.abs().clamp_min(1e-12)).median())}
         codes_eq, codes_n, sc_eq, sc_n = codes_eq + eq, codes_n + ca.numel(), sc_eq + seq_, sc_n + sa.numel()
     worst = min(rows, key=lambda m: rows[m]["codes_equal"]) if rows else None
-    return {"tensors": len(rows), "codes_equal": round(codes_eq / max(codes_n, 1), 6),
+    return {"tensors": len(rows), "codes_equal": round(codes_eq / max(codes_n, 1), 6), "codes_differ": codes_n - codes_eq,
+            "scales_differ": sc_n - sc_eq, "scale_dtypes": sorted(scale_dtypes),
             "scales_equal": round(sc_eq / max(sc_n, 1), 6),
             "tensors_all_codes_equal": sum(r["codes_equal"] == 1.0 for r in rows.values()),
             "worst": {worst: rows[worst]} if worst else {}, "per_tensor": rows}
@@ -268,10 +277,12 @@ def render_table(report: dict) -> str:
     missing = [r for r in RECIPES if r not in report["recipes"]]
     if missing:
         lines += ["", "Not run in this measurement: " + ", ".join(f"`{r}`" for r in missing) + "."]
-    c = report["recipes"].get("w4a16", {}).get("codes_vs_llmcompressor")
-    if c:
-        lines += ["", f"`w4a16` (round-to-nearest) codes equal to llm-compressor's: {c['codes_equal']:.2%} of all weights "
-                      f"({c['tensors_all_codes_equal']} of {c['tensors']} tensors entirely); scales equal: {c['scales_equal']:.2%}."]
+    for name in ROUND_TO_NEAREST:
+        c = report["recipes"].get(name, {}).get("codes_vs_llmcompressor")
+        if c:
+            lines += ["", f"`{name}` (round-to-nearest) codes equal to llm-compressor's: {c['codes_equal']:.2%} of all "
+                          f"weights ({c['tensors_all_codes_equal']} of {c['tensors']} tensors entirely); scales equal: "
+                          f"{c['scales_equal']:.2%}."]
     return "\n".join(lines)
 
 
@@ -365,7 +376,8 @@ def main():
                          "heldout_runs_in_calibration_16_tokens": overlap},
             "perplexity_eval": {"text": "examples/real_text/heldout.jsonl", "tokens": windows.numel() - len(windows),
                                 "windows": len(windows), "method": "qtk reader + simulated model (activations and KV "
-                                "cache fake-quantized as vLLM does), fp32; BOS + seq_len - 1 tokens per window; exp(mean NLL)"},
+                                "cache fake-quantized as vLLM does; separately scaled per-tensor FP8 members of fused "
+                                "q/k/v, gate/up requantized to the largest scale as vLLM loads them), fp32; BOS + seq_len - 1 tokens per window; exp(mean NLL)"},
             "unquantized_perplexity": round(base_ppl, 4),
             "recipes": merged,
             "benchmark_wall_s_this_run": round(time.perf_counter() - t_bench, 1),
@@ -399,11 +411,11 @@ def main():
             print(f"{name:12s} {tool:30s} " + (f"ppl {m['perplexity']:8.4f}  {m['wall_s']:7.1f} s  {m['peak_rss_mb']:6.0f} MB"
                                                  if "perplexity" in m else m["error"]), flush=True)
         ckpts = (work / f"out-{name}-qtk" / "vllm", work / f"out-{name}-llmcompressor")
-        if name == "w4a16" and all((d / "config.json").is_file() for d in ckpts) and \
+        if name in ROUND_TO_NEAREST and all((d / "config.json").is_file() for d in ckpts) and \
                 all("perplexity" in entry.get(t, {}) for t in ("qtk", "llmcompressor")):
             c = compare_codes(*ckpts)
             entry["codes_vs_llmcompressor"] = c
-            print(f"w4a16 codes equal to llm-compressor's: {c['codes_equal']:.6f} of all weights, "
+            print(f"{name} codes equal to llm-compressor's: {c['codes_equal']:.6f} of all weights, "
                   f"{c['tensors_all_codes_equal']}/{c['tensors']} tensors entirely; scales equal {c['scales_equal']:.6f}", flush=True)
         results[name] = entry
         done.append(name)

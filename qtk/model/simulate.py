@@ -90,18 +90,12 @@ class FusedGEMM:
 def fuse_groups(model: torch.nn.Module, modules: list[str], groups) -> int:
     """Fuse the QLinears of each fusion group (arch suffixes, e.g. self_attn.q_proj/k_proj/v_proj) of every layer.
     Returns the number of groups fused."""
-    names = set(modules)
     n = 0
-    for m in modules:
-        for g in groups:
-            if m.endswith("." + g[0]):
-                prefix = m[: -len(g[0])]
-                members = [prefix + x for x in g]
-                if all(x in names for x in members):
-                    mods = [model.get_submodule(x) for x in members]
-                    if all(isinstance(x, QLinear) for x in mods) and FusedGEMM.can_fuse(mods):
-                        FusedGEMM(mods)
-                        n += 1
+    for members in fusion_members(modules, groups):
+        mods = [model.get_submodule(x) for x in members]
+        if all(isinstance(x, QLinear) for x in mods) and FusedGEMM.can_fuse(mods):
+            FusedGEMM(mods)
+            n += 1
     return n
 
 
@@ -111,6 +105,33 @@ def engine_weight(qt) -> torch.Tensor:
     per-tensor / per-channel fp8. float32 out."""
     w = qt.dequantize()
     return w.to(qt.dtype).float() if qt.format.decodes_in_model_dtype(qt.scheme) else w
+
+
+def fusion_members(modules: list[str], groups) -> list[list[str]]:
+    """The members of each fusion group (arch suffixes, e.g. self_attn.q_proj/k_proj/v_proj) present in modules."""
+    names, out = set(modules), []
+    for m in modules:
+        for g in groups:
+            if m.endswith("." + g[0]):
+                members = [m[: -len(g[0])] + x for x in g]
+                if all(x in names for x in members):
+                    out.append(members)
+    return out
+
+
+def max_scale_weights(qts: list) -> list[torch.Tensor] | None:
+    """vLLM runs q/k/v and gate/up as one GEMM with one per-tensor FP8 weight scale: members written with scales of
+    their own (llm-compressor's checkpoints) are requantized at load to the largest, fp8(q_i·s_i / s_max), and that
+    is what it runs (vLLM's requantize_with_max_scale; TensorRT-LLM's writer does the same). float32 weights of the
+    members, or None when they are not per-tensor FP8 or already share one scale (then nothing changes)."""
+    if not all(qt.scheme.is_fp8 and qt.scheme.strategy == "tensor" for qt in qts):
+        return None
+    scales = [qt.scale.float().reshape(()) for qt in qts]
+    s_max = torch.stack(scales).max()
+    if all(torch.equal(s, s_max) for s in scales):
+        return None
+    return [(qt.values.float() * s).div_(s_max).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float().mul_(s_max)
+            for qt, s in zip(qts, scales)]
 
 
 def _qtk_attention(module, query, key, value, attention_mask, **kwargs):
@@ -192,8 +213,13 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
     names = ckpt.names
     sd = {k: v.to(dtype) for k, v in ckpt.dense_state_dict().items()}
     modules = ckpt.modules()
+    for members in fusion_members(modules, ckpt.arch.fusion_groups if ckpt.arch is not None else ()):
+        qts = [ckpt.qtensor(m) for m in members]
+        for m, w in zip(members, max_scale_weights(qts) or [engine_weight(qt) for qt in qts]):
+            sd[f"{m}.weight"] = w.to(dtype)
     for m in modules:
-        sd[f"{m}.weight"] = engine_weight(ckpt.qtensor(m)).to(dtype)
+        if f"{m}.weight" not in sd:
+            sd[f"{m}.weight"] = engine_weight(ckpt.qtensor(m)).to(dtype)
     if getattr(config, "tie_word_embeddings", False) and f"{names.lm_head}.weight" not in sd:
         sd[f"{names.lm_head}.weight"] = sd[f"{names.embed}.weight"]
     expected = {k for k, v in model.state_dict().items() if v.is_meta}

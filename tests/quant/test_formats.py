@@ -37,10 +37,9 @@ def test_storage_and_scale_dtypes(scheme, dtype):
     f = format_for(scheme)
     qt = QTensor.quantize(W.to(torch.bfloat16), scheme)
     assert f.storage_dtype(scheme) == dtype == qt.values.dtype
-    # int scales are rounded to the model dtype (the scale on disk produced the values), fp8 scales stay float32
-    assert f.scale_dtype(scheme, torch.bfloat16) == (None if scheme.is_fp8 else torch.bfloat16)
-    if not scheme.is_fp8:
-        assert torch.equal(qt.scale, qt.scale.to(torch.bfloat16).float())
+    # scales are rounded to the model dtype (the scale on disk produced the values; fp8 too, as compressed-tensors)
+    assert f.scale_dtype(scheme, torch.bfloat16) == torch.bfloat16
+    assert torch.equal(qt.scale, qt.scale.to(torch.bfloat16).float())
 
 @pytest.mark.parametrize("scheme", [S(), S(num_bits=4, symmetric=False), S(type="float")])
 def test_gptq_column_quantizer_equals_the_grouped_quantizer(scheme):

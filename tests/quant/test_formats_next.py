@@ -59,7 +59,8 @@ def test_mx_and_fp8_block_specs_equal_primitives():
     qb = QTensor.quantize(wr.float(), FP8_BLOCK, torch.bfloat16)
     sb = fp8_block_scales(wr)
     assert qb.scale.shape == (2, 3) and torch.equal(qb.scale, sb.float())
-    assert torch.equal(qb.values.view(torch.uint8), fp8_block_quantize(wr.float(), sb.float()).view(torch.uint8))
+    # the division in bf16, as compressed-tensors divides the bf16 weight (tests/quant/test_ct_rounding.py)
+    assert torch.equal(qb.values.view(torch.uint8), fp8_block_quantize(wr, sb).view(torch.uint8))
 
 
 def test_new_activation_formats():

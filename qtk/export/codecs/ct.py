@@ -3,8 +3,8 @@
     pack-quantized   weight_packed int32 [out, ceil(in·bits/32)], weight_scale [out, groups] (model dtype),
                      weight_shape int64 [2], weight_zero_point int32 packed along out (asymmetric only)
     int-quantized    weight int8 [out, in], weight_scale (model dtype)
-    float-quantized  weight float8_e4m3fn [out, in], weight_scale float32 (tensor / channel); FP8 blocks:
-                     weight_scale in the model dtype [ceil(out/bm), ceil(in/bn)]
+    float-quantized  weight float8_e4m3fn [out, in], weight_scale float32 holding model-dtype values (tensor /
+                     channel); FP8 blocks: weight_scale in the model dtype [ceil(out/bm), ceil(in/bn)]
     nvfp4-pack-quantized  weight_packed uint8 [out, in/2] (e2m1 codes, element 2i in the low nibble),
                      weight_scale float8_e4m3fn [out, in/16], weight_global_scale float32 [1]; W4A4 adds
                      input_global_scale float32 [1] (no weight_shape)
@@ -73,7 +73,9 @@ def encode(qt: QTensor, dtype: torch.dtype, fmt: str) -> dict[str, torch.Tensor]
         if qt.zero_point is not None:
             out["weight_zero_point"] = pack_ct_zero_point(qt.zero_point.reshape(qt.scale.shape), s.num_bits)
         return out
-    scale_dtype = torch.float32 if s.is_fp8 and s.strategy != "block" else dtype  # blocks: model dtype, as ct writes
+    # fp8 (tensor / channel): model-dtype values (llm-compressor's, bit for bit) stored float32, so compressed-tensors'
+    # decompression q.to(scale.dtype) * scale is the exact product vLLM's fp8 GEMMs apply; blocks: model dtype, as ct
+    scale_dtype = torch.float32 if s.is_fp8 and s.strategy != "block" else dtype
     return {"weight": qt.values, "weight_scale": qt.scale.to(scale_dtype)}
 
 

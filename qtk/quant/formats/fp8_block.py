@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from qtk.quant.formats.base import Format, QParams, register_format
+from qtk.quant.formats.integer import HALF
 from qtk.quant.fp8_block import FP8_E4M3_MAX, fp8_block_dequantize, fp8_block_quantize, fp8_block_scales, fp8_group_fake_quant
 from qtk.quant.scheme import QuantScheme
 
@@ -39,8 +40,10 @@ class FP8BlockFormat(Format):
     def qparams(self, w, scheme, model_dtype):
         return QParams(fp8_block_scales(w.float(), tuple(scheme.block_structure), model_dtype).float())
 
-    def quantize(self, w, qp, scheme, model_dtype=None):  # float32 arithmetic (model_dtype: see Format.quantize)
-        return fp8_block_quantize(w.float(), qp.scale.float(), tuple(scheme.block_structure))
+    def quantize(self, w, qp, scheme, model_dtype=None):
+        # a bf16 / fp16 model divides in its dtype, as compressed-tensors does on the weight tensor (fp8.py)
+        dt = model_dtype if model_dtype in HALF else torch.float32
+        return fp8_block_quantize(w.to(dt), qp.scale.to(dt), tuple(scheme.block_structure))
 
     def dequantize(self, values, qp, scheme, g_idx=None):
         if g_idx is not None:
