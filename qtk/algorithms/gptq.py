@@ -242,11 +242,13 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     Qdt = torch.empty_like(Wt) if dequantized else None  # dequantized [in, out], as the loop computed it
     row_loss = torch.zeros(out_f, dtype=torch.float64, device=Wt.device)  # Σ_j (w − q)²/[Hinv]²_jj / 2 per row of W
     bs = params.block_size
-    # (w [out], s, z) -> (q, dequantized q). Quotients w / s stay float32, as llm-compressor's GPTQ computes them (it
-    # divides its float32 working copy of W, not the bf16 tensor): bf16 quotients resolve only 0.5 for |q| >= 64, so
-    # 8-bit columns would land on rounding ties whose outcome flips with the summation order of the Hessian (a
-    # 2-rank run agreed with 1 rank on ~79 % of int8 codes). RTN keeps compressed-tensors' bf16 quotients.
-    quantize_column = fmt.column_quantizer(scheme, qp)
+    # (w [out], s, z) -> (q, dequantized q). Below 8 bits each column is rounded as RTN rounds it for the model dtype
+    # (the quotient w / s in bf16 for a bf16 model, compressed-tensors' arithmetic), so GPTQ with a diagonal Hessian
+    # is RTN; on the real model (docs/real-model.md) that measured 18.18 perplexity against 19.55 with float32
+    # quotients. 8-bit grids keep float32 quotients, as llm-compressor's GPTQ computes them: bf16 resolves only 0.5
+    # for |q| >= 64, so nearly every int8 column would land on a rounding tie whose outcome flips with the Hessian's
+    # summation order (a 2-rank run agreed with 1 rank on ~79 % of int8 codes).
+    quantize_column = fmt.column_quantizer(scheme, qp, model_dtype=dtype if scheme.num_bits < 8 else None)
     for i1 in range(0, in_f, bs):
         i2 = min(i1 + bs, in_f)
         count = i2 - i1

@@ -114,8 +114,8 @@ def test_gptq_fp8_below_rtn():
 @pytest.mark.parametrize("name", list(MORE_SCHEMES))
 def test_gptq_with_diagonal_hessian_is_rtn(name):
     """A diagonal H has a diagonal Hinv (and Cholesky factor): no error reaches any other column,
-    whatever the damping, so every column is rounded as RTN rounds it with float32 quotients (GPTQ's arithmetic,
-    llm-compressor's too), with the same qparams."""
+    whatever the damping, so every column is rounded as RTN rounds it with the same qparams: for the model dtype below
+    8 bits, with float32 quotients for 8-bit grids (qtk/algorithms/gptq.py says why)."""
     from qtk.quant.formats import format_for
     from qtk.quant.qtensor import QTensor
 
@@ -123,7 +123,8 @@ def test_gptq_with_diagonal_hessian_is_rtn(name):
     W, _ = correlated_layer(seed=1)
     fmt = format_for(scheme)
     qp = fmt.qparams(W, scheme, torch.bfloat16)
-    rtn = QTensor.of(fmt.quantize(W, qp, scheme, model_dtype=None), qp, scheme, torch.bfloat16)
+    quotients = torch.bfloat16 if scheme.num_bits < 8 else None
+    rtn = QTensor.of(fmt.quantize(W, qp, scheme, model_dtype=quotients), qp, scheme, torch.bfloat16)
     assert torch.equal(rtn.scale, rtn_quantize(W, scheme, torch.bfloat16).scale)
     g = torch.Generator().manual_seed(2)
     for H in (torch.eye(IN), torch.diag(torch.rand(IN, generator=g) + 0.1)):

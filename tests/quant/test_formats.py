@@ -99,7 +99,7 @@ class GlobalScaledFP4(Format):
     def dequantize(self, values, qp, scheme, g_idx=None):
         return fp4_decode(values) * (qp.scale * qp.extra["global_scale"])
 
-    def column_quantizer(self, scheme, qp=None):
+    def column_quantizer(self, scheme, qp=None, model_dtype=None):
         gs = qp.extra["global_scale"]
 
         def quantize_column(w, s, z):

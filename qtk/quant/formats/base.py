@@ -93,9 +93,10 @@ class Format:
         None when nothing is shared (each member takes its own)."""
         return None
 
-    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None) -> ColumnQuantizer:
-        """For GPTQ: quantize one column with its scale (and zero point) in float32 arithmetic (quantize with
-        model_dtype None on the same values); qp holds tensor-wide extras if any."""
+    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None,
+                         model_dtype: torch.dtype | None = None) -> ColumnQuantizer:
+        """For GPTQ: quantize one column with its scale (and zero point); qp holds tensor-wide extras if any;
+        model_dtype as in quantize, so a column is rounded as quantize rounds the same values."""
         raise NotImplementedError
 
     def dequantize_columns(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

@@ -50,7 +50,7 @@ class FP8BlockFormat(Format):
             raise ValueError("FP8 block weights have no act-order g_idx")
         return fp8_block_dequantize(values, qp.scale.float(), tuple(scheme.block_structure), torch.float32)
 
-    def column_quantizer(self, scheme, qp=None):
+    def column_quantizer(self, scheme, qp=None, model_dtype=None):
         def quantize_column(w, s, z):
             q = torch.div(w, s).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
             return q, q.float().mul_(s)

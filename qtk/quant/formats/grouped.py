@@ -168,9 +168,11 @@ class GroupedFormat(Format):
                                None if zero is None else regroup(zero.float(), values.shape, scheme))
         return w.reshape(values.shape)
 
-    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None):
+    def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None, model_dtype: torch.dtype | None = None):
+        half = self.quotient_dtype(model_dtype)
+
         def quantize_column(w, s, z):
-            q = self.quantize_grouped(w, s, z, scheme)
+            q = self.quantize_grouped(w, s, z, scheme, half)
             return q, dequantize_grouped(q, s, z)
 
         return quantize_column

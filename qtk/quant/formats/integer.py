@@ -13,8 +13,8 @@ Conventions (shared by every writer, so one QTensor serves all targets):
   quotient plus the zero point, the asymmetric range max - min and min / scale. The rounding of the quotient
   decides codes near a half step (a group's negative extreme, quotient -7.49 in float32, is -7.5 in bf16 and
   rounds to -8), so the codes are compressed-tensors' bit for bit. Ties round to even after the zero point is
-  added, as there. GPTQ's column quantizer keeps float32 quotients: llm-compressor's GPTQ divides its float32
-  working weights, not the bf16 tensor.
+  added, as there. GPTQ's column quantizer rounds the same way below 8 bits (qtk.algorithms.gptq says why) and keeps
+  float32 quotients for 8-bit grids, as llm-compressor's GPTQ divides its float32 working weights.
 
 Every target decodes exactly (q - zero) * scale for any q of the full grid (docs/grids.md): vLLM's
 compressed-tensors kernels (int8, and uint4b8/uint8b128 = q + 2^(b-1) for packed weights), the legacy GPTQ
@@ -78,13 +78,18 @@ class IntFormat(GroupedFormat):
             q = _rounded(q + zero, half)
         return q.round().clamp(scheme.qmin, scheme.qmax)
 
-    def column_quantizer(self, scheme: QuantScheme, qp=None):
+    def column_quantizer(self, scheme: QuantScheme, qp=None, model_dtype=None):
         qmin, qmax = scheme.qmin, scheme.qmax
+        half = self.quotient_dtype(model_dtype)
 
-        def quantize_column(w, s, z):  # quantize_grouped (float32) / dequantize_grouped on one column, in place
+        def quantize_column(w, s, z):  # quantize_grouped / dequantize_grouped on one column: the same float ops
             q = torch.div(w, s)
+            if half is not None:
+                q = _rounded(q, half)
             if z is not None:
                 q.add_(z)
+                if half is not None:
+                    q = _rounded(q, half)
             q.round_().clamp_(qmin, qmax)
             return q, (q if z is None else q - z).mul(s)
 

@@ -67,7 +67,7 @@ class MXFormat(Format):
         g = scheme.group_size
         return (self._values(values).reshape(out, inp // g, g) * qp.scale.float().unsqueeze(-1)).reshape(out, inp)
 
-    def column_quantizer(self, scheme, qp=None):
+    def column_quantizer(self, scheme, qp=None, model_dtype=None):
         def quantize_column(w, s, z):
             q = self._round(torch.div(w, s), scheme)
             return q, self._values(q).mul_(s)

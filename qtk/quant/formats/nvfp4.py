@@ -87,7 +87,7 @@ class NVFP4Format(Format):
         g = scheme.group_size
         return (fp4_decode(values).reshape(out, inp // g, g) * eff.unsqueeze(-1)).reshape(out, inp)
 
-    def column_quantizer(self, scheme, qp=None):
+    def column_quantizer(self, scheme, qp=None, model_dtype=None):
         inv_gs = qp.extra[GLOBAL].float().reshape(())
 
         def quantize_column(w, s, z):
