@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qtk.errors import QtkError
+
+if TYPE_CHECKING:
+    from qtk.pipeline.result import Measured  # what the data-free stream measured (its self-check takes it)
 
 # relative Frobenius error ||W - Q(W)|| / ||W|| that a sane quantizer stays far below (RTN on Gaussian
 # weights gives ~0.01 at int8, ~0.15 at int4, ~0.04 at fp8); a broken one (wrong scale, collapsed
@@ -53,40 +57,6 @@ class CheckReport:
     def add(self, name: str, problems: list[str], detail: str = "") -> None:
         shown = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
         self.checks.append(Check(name, not problems, shown if problems else detail))
-
-
-@dataclass(frozen=True)
-class Measured:
-    """What the data-free stream measured of one Linear while its source weight was in memory: the digest of the
-    QTensor it handed the writers, that QTensor's error against the source, and the largest |weight| it decodes to.
-    A Linear that decodes from disk to the same digest has exactly that error and that range (the self-check need
-    not read the source or dequantize again); one that decodes to anything else is compared with the source in full
-    (a target may store a QTensor otherwise and decode it to a different but equally good one: TensorRT-LLM's
-    rescaled int8, GPTQ's fp16)."""
-
-    digest: int
-    error: float
-    amax: float
-
-
-def qtensor_digest(qt) -> int:
-    """CRC-32 over everything that decides a QTensor's decoded weight: scheme, dtype, shape, and the bytes of its
-    values, scale, zero point, g_idx and a format's extra tensors. CRC-32 catches any one changed byte (and any burst
-    up to 32 bits) and runs at memory speed, unlike a cryptographic hash; this guards against writer bugs, not forgery."""
-    import zlib
-
-    import torch
-
-    crc = zlib.crc32(repr((qt.scheme, str(qt.dtype), tuple(qt.shape))).encode())
-    for name, t in (("values", qt.values), ("scale", qt.scale), ("zero_point", qt.zero_point), ("g_idx", qt.g_idx),
-                    *sorted(qt.extra.items())):
-        if t is None:
-            crc = zlib.crc32(f"{name}: none".encode(), crc)
-            continue
-        t = t.detach().cpu().contiguous()
-        crc = zlib.crc32(f"{name}: {t.dtype} {list(t.shape)}".encode(), crc)
-        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
-    return crc
 
 
 # ---- config and expected tensors ----
@@ -231,6 +201,8 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
     conversion measured of it against `source` (the convert self-check of a data-free run): a Linear whose decoded
     QTensor has the measured digest takes the measured error and range instead of re-reading the source; any other
     is compared in full."""
+    from qtk.quant.qtensor import qtensor_digest
+
     import torch
 
     from qtk.pipeline import relative_error

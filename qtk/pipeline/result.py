@@ -71,7 +71,7 @@ class PipelineStats:
     records: dict[int, dict] = field(default_factory=dict)  # layer -> records_json(): the manifest's stats.algorithm
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE block -> calibration tokens per expert
     spilled_batches: int = 0  # calibration batches that waited in host memory (over the device budget), all layers
-    measured: dict = field(default_factory=dict)  # module -> qtk.checks.Measured (the data-free stream's, for its self-check)
+    measured: dict = field(default_factory=dict)  # module -> Measured (the data-free stream's, for its self-check)
 
     def record(self, r: LayerResult) -> None:
         self.layers += 1
@@ -83,3 +83,17 @@ class PipelineStats:
         if records:
             self.records[r.index] = records
             self.expert_tokens.update(records.get("expert_tokens", {}))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the data-free stream measured of one Linear while its source weight was in memory: the digest of the
+    QTensor it handed the writers, that QTensor's error against the source, and the largest |weight| it decodes to.
+    A Linear that decodes from disk to the same digest has exactly that error and that range (the self-check need
+    not read the source or dequantize again); one that decodes to anything else is compared with the source in full
+    (a target may store a QTensor otherwise and decode it to a different but equally good one: TensorRT-LLM's
+    rescaled int8, GPTQ's fp16)."""
+
+    digest: int
+    error: float
+    amax: float

@@ -74,9 +74,10 @@ class _LayerReader:
 def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str],
                  measured: dict | None = None) -> LayerResult:
     """The LayerResult of layer i from its tensors (relative name -> tensor in the compute dtype). measured: filled
-    with what the self-check needs of each quantized Linear (qtk.checks.Measured), taken from the one dequantization
+    with what the self-check needs of each quantized Linear (qtk.pipeline.result.Measured), taken from the one dequantization
     that gives its error, so the check need not read the source or dequantize again."""
-    from qtk.checks import Measured, qtensor_digest
+    from qtk.pipeline.result import Measured
+    from qtk.quant.qtensor import qtensor_digest
 
     arch, dtype, prefix = source.arch, source.dtype, source.layer_prefix(i)
     # model-dtype weights: rtn_weights makes each one's float32 copy where it rounds it, one at a time, and hands

@@ -71,3 +71,21 @@ class QTensor:
            g_idx: torch.Tensor | None = None) -> "QTensor":
         """A QTensor from stored values and the qparams that produced them."""
         return cls(values, qp.scale, scheme, qp.zero_point, g_idx, dtype, dict(qp.extra))
+
+
+def qtensor_digest(qt) -> int:
+    """CRC-32 over everything that decides a QTensor's decoded weight: scheme, dtype, shape, and the bytes of its
+    values, scale, zero point, g_idx and a format's extra tensors. CRC-32 catches any one changed byte (and any burst
+    up to 32 bits) and runs at memory speed, unlike a cryptographic hash; this guards against writer bugs, not forgery."""
+    import zlib
+
+    crc = zlib.crc32(repr((qt.scheme, str(qt.dtype), tuple(qt.shape))).encode())
+    for name, t in (("values", qt.values), ("scale", qt.scale), ("zero_point", qt.zero_point), ("g_idx", qt.g_idx),
+                    *sorted(qt.extra.items())):
+        if t is None:
+            crc = zlib.crc32(f"{name}: none".encode(), crc)
+            continue
+        t = t.detach().cpu().contiguous()
+        crc = zlib.crc32(f"{name}: {t.dtype} {list(t.shape)}".encode(), crc)
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc

@@ -67,10 +67,10 @@ def test_stream_refuses_a_nan_weight(tmp_path):
 def test_stream_holds_one_float32_copy_at_a_time_and_measures_for_the_self_check(tmp_path, monkeypatch):
     """The layer's weights reach rtn_weights in the model dtype (it makes each float32 copy where it rounds it, so a
     Llama-3-8B layer holds one 235 MB copy, not 872 MB of them); and every quantized Linear gets what the self-check
-    needs (qtk.checks.Measured): its error as recorded, its QTensor's digest, its max |w|."""
+    needs (qtk.pipeline.result.Measured): its error as recorded, its QTensor's digest, its max |w|."""
     import torch
 
-    from qtk.checks import qtensor_digest
+    from qtk.quant.qtensor import qtensor_digest
     from qtk.model.simulate import engine_weight
     from qtk.steps import rtn
 
