@@ -619,11 +619,18 @@ main(sys.argv[1:], prog_name="qtk")
 """
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT back to its default action. A shell starts background jobs (`make test &`)
+    with SIGINT ignored, children inherit that, and Python then installs no KeyboardInterrupt handler; these tests
+    send SIGINT as a terminal's Ctrl-C does, so the child must react to it as a foreground run would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_mid_layer(tmp_path, tiny_llama):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, "convert", str(tiny_llama), "--recipe", "w8a16",
                              "-o", str(tmp_path / "out"), "--no-hash"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_default)
     timer = threading.Timer(120, proc.kill)  # never hang the suite
     timer.start()
     try:
@@ -885,7 +892,8 @@ def test_racing_conversion_refused(tmp_path, tiny_llama):
     """Two runs on one -o both reported success and one result was silently lost: the second now stops at once."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     first = subprocess.Popen([sys.executable, "-c", DRIVER, "convert", str(tiny_llama), "--recipe", "w8a16",
-                              "-o", str(tmp_path / "out"), "--no-hash"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                              "-o", str(tmp_path / "out"), "--no-hash"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             preexec_fn=_sigint_default)
     timer = threading.Timer(120, first.kill)
     timer.start()
     try:

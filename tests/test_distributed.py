@@ -7,6 +7,7 @@ MASTER_ADDR/PORT) that run several conversions in one process group."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -204,11 +205,17 @@ def test_torchrun_cli_two_processes(model, calib_file, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["vllm"]
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT back to its default action. A shell starts background jobs (`make test &`)
+    with SIGINT ignored, children inherit that, and Python then installs no KeyboardInterrupt handler; these tests
+    send SIGINT as a terminal's Ctrl-C does, so the child must react to it as a foreground run would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_under_torchrun_leaves_no_output(calib_file, tmp_path):
     """Ctrl-C in the terminal (SIGINT to torchrun and its workers, one process group) mid-run: every rank stops, qtk
     says so once (rank 0, the single-process line) and no output is left; torchrun then reports the signal itself."""
-    import signal
     import time
 
     model = make_tiny_model(tmp_path / "m", layers=8, hidden=256, intermediate=512)  # long enough to interrupt
@@ -217,7 +224,7 @@ def test_ctrl_c_under_torchrun_leaves_no_output(calib_file, tmp_path):
     p = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "qtk", "convert",
                           str(model), "-r", "w4a16-gptq", "-o", str(out), "--device", "cpu", "--calib", str(calib_file),
                           "--num-samples", "8", "--seq-len", "64", "--no-hash"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_sigint_default,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 300

@@ -42,6 +42,13 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("res") / "m", layers=LAYERS, hidden=128, intermediate=256)
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT back to its default action. A shell starts background jobs (`make test &`)
+    with SIGINT ignored, children inherit that, and Python then installs no KeyboardInterrupt handler; these tests
+    send SIGINT as a terminal's Ctrl-C does, so the child must react to it as a foreground run would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_resume_after_kill_is_byte_identical(model, calib_file, tmp_path, sig):
     ref = tmp_path / "ref"
@@ -49,7 +56,8 @@ def test_resume_after_kill_is_byte_identical(model, calib_file, tmp_path, sig):
 
     out = tmp_path / "out"
     kill_after = random.Random(int(sig)).randint(1, LAYERS - 2)  # layers completed before the kill
-    p = subprocess.Popen(_cmd(model, out, calib_file, "--resume"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(_cmd(model, out, calib_file, "--resume"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=_sigint_default)
     state = out / ".qtk-resume"
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None:
