@@ -235,6 +235,17 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
     global_scales: dict[str, float] = {}  # module -> NVFP4 weight global scale, for the fused-group check
     fp4_mx = False  # some module is NVFP4 or MX: their scale checks are reported
     rownorm: dict[str, float] = {}
+
+    def judge(m: str, err: float, bound: float, s) -> None:
+        """Module m's error against the source, in rep.errors, held to the scheme's bound and qtk.json's figure."""
+        rep.errors[m] = err
+        if not err <= bound:
+            compare.append(f"{m}: error {err:.3f} against the source exceeds {bound} for {s.describe()}")
+        elif m in recorded and not abs(err - float(recorded[m])) <= MANIFEST_TOLERANCE:
+            compare.append(f"{m}: error {err:.4f} on disk, qtk.json recorded {float(recorded[m]):.4f}")
+        elif recorded and m not in recorded:
+            compare.append(f"{m}: qtk.json records no error for it")
+
     for m in mods:
         shape = shapes.get(f"{m}.weight")
         if shape is None or len(shape) != 2:
@@ -303,13 +314,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
                 uncompared.append(m)
                 continue
             if same:  # these bytes decode to exactly what was measured against the source
-                err = rep.errors[m] = known.error
-                if not err <= bound:
-                    compare.append(f"{m}: error {err:.3f} against the source exceeds {bound} for {s.describe()}")
-                elif m in recorded and not abs(err - float(recorded[m])) <= MANIFEST_TOLERANCE:
-                    compare.append(f"{m}: error {err:.4f} on disk, qtk.json recorded {float(recorded[m]):.4f}")
-                elif recorded and m not in recorded:
-                    compare.append(f"{m}: qtk.json records no error for it")
+                judge(m, known.error, bound, s)
                 del qt
                 continue
             try:
@@ -321,13 +326,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
                 compare.append(f"{m}: the source weight is {list(ref.shape)}, the checkpoint's {list(w.shape)} "
                                "(is the source the model it was converted from?)")
                 continue
-            err = rep.errors[m] = relative_error(w, ref)
-            if not err <= bound:
-                compare.append(f"{m}: error {err:.3f} against the source exceeds {bound} for {s.describe()}")
-            elif m in recorded and not abs(err - float(recorded[m])) <= MANIFEST_TOLERANCE:
-                compare.append(f"{m}: error {err:.4f} on disk, qtk.json recorded {float(recorded[m]):.4f}")
-            elif recorded and m not in recorded:
-                compare.append(f"{m}: qtk.json records no error for it")
+            judge(m, relative_error(w, ref), bound, s)
         del qt, w
 
     # ---- dense tensors, one at a time
