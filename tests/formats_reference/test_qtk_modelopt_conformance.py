@@ -28,12 +28,9 @@ def _drop_producer(d: dict) -> dict:
     return {k: v for k, v in d.items() if k != "producer"}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_hf_modelopt_nvfp4_matches_modelopt(case, model, tmp_path):
-    ref = REF["cases"][case]
-    res = api.convert(model, CASES[case], tmp_path / "out", targets=["hf-modelopt", "vllm"], num_samples=4, seq_len=32,
-                      hash_source=False)
-    d = res.outputs["hf-modelopt"]
+def _assert_hf_layout_matches(d, ref) -> None:
+    """hf_quant_config.json, config.json's quantization_config (but its producer) and every tensor's dtype and shape
+    of the hf-modelopt checkpoint d equal ModelOpt's capture `ref`."""
     hq = json.loads((d / "hf_quant_config.json").read_text())
     assert hq["quantization"] == ref["hf_quant_config"]["quantization"]
     qc = json.loads((d / "config.json").read_text())["quantization_config"]
@@ -42,6 +39,15 @@ def test_hf_modelopt_nvfp4_matches_modelopt(case, model, tmp_path):
     for p in sorted(d.glob("*.safetensors")):
         got.update(header(p))
     assert {n: [dt, list(sh)] for n, (dt, sh) in got.items()} == {n: [dt, list(sh)] for n, (dt, sh) in ref["tensors"].items()}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_modelopt_nvfp4_matches_modelopt(case, model, tmp_path):
+    ref = REF["cases"][case]
+    res = api.convert(model, CASES[case], tmp_path / "out", targets=["hf-modelopt", "vllm"], num_samples=4, seq_len=32,
+                      hash_source=False)
+    d = res.outputs["hf-modelopt"]
+    _assert_hf_layout_matches(d, ref)
 
     mo, ct = open_checkpoint(d), open_checkpoint(res.outputs["vllm"])
     for m in ct.modules():
@@ -237,14 +243,7 @@ def test_hf_modelopt_w4a8_awq_matches_modelopt(model, tmp_path, monkeypatch):
     ref = REF["cases"]["hf/w4a8-awq"]
     res, seen = _convert_recording(monkeypatch, model, w4a8_static(), tmp_path / "out", ["hf-modelopt"])
     d = res.outputs["hf-modelopt"]
-    hq = json.loads((d / "hf_quant_config.json").read_text())
-    assert hq["quantization"] == ref["hf_quant_config"]["quantization"]
-    qc = json.loads((d / "config.json").read_text())["quantization_config"]
-    assert _drop_producer(qc) == _drop_producer(ref["quantization_config"])
-    got = {}
-    for p in sorted(d.glob("*.safetensors")):
-        got.update(header(p))
-    assert {n: [dt, list(sh)] for n, (dt, sh) in got.items()} == {n: [dt, list(sh)] for n, (dt, sh) in ref["tensors"].items()}
+    _assert_hf_layout_matches(d, ref)
     mo = open_checkpoint(d)
     v = "model.layers.0.self_attn.v_proj."
     for k in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
