@@ -56,11 +56,15 @@ import vs_llmcompressor as vsl  # noqa: E402  (its llm-compressor venv, driver a
 TEXT = ROOT / "examples" / "real_text"
 DOC = ROOT / "docs" / "real-model.md"
 RECIPES = ("w4a16", "w4a16-gptq", "w4a16-awq", "fp8", "fp8-kv8", "fp8-dynamic", "w8a16", "w8a16-gptq", "w8a8-sq",
-           "int8-kv8")
+           "int8-kv8", "nvfp4-a16", "nvfp4", "nvfp4-gptq", "mxfp4-a16", "fp8-block")
+# issue 14's formats run on llm-compressor's side as its own preset schemes (what its users write; the conformance
+# tests in tests/formats_reference/ hold qtk's config fields to these presets' checkpoints)
+LLMC_PRESETS = {"nvfp4-a16": "NVFP4A16", "nvfp4": "NVFP4", "nvfp4-gptq": "NVFP4", "mxfp4-a16": "MXFP4A16",
+                "fp8-block": "FP8_BLOCK"}
 TOOLS = ("qtk", "llmcompressor", "llmcompressor_minmax_observer")
 # round-to-nearest recipes whose codes and scales both tools compute from the same weights alone (fp8's per-tensor
 # scales differ by design: qtk shares one per fused group), compared tensor by tensor
-ROUND_TO_NEAREST = ("w4a16", "fp8-dynamic", "w8a16")
+ROUND_TO_NEAREST = ("w4a16", "fp8-dynamic", "w8a16", "nvfp4-a16", "mxfp4-a16", "fp8-block")
 FP8_KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
@@ -105,6 +109,8 @@ def llmc_config(doc: dict, observer: str = "static_minmax") -> dict:
     if act:
         group["input_activations"] = {**args(act), **({"observer": observer} if static else {})}
     quant = {"config_groups": {"group_0": group}, "ignore": list(doc.get("ignore", ["lm_head"]))}
+    if doc["name"] in LLMC_PRESETS:
+        quant = {"targets": ["Linear"], "scheme": LLMC_PRESETS[doc["name"]], "ignore": quant["ignore"]}
     if doc.get("kv_cache"):
         quant["kv_cache_scheme"] = dict(FP8_KV)
     steps = [s if isinstance(s, dict) else {s: {}} for s in doc["algorithm"]]
@@ -224,12 +230,18 @@ def compare_codes(qtk_dir: Path, llmc_dir: Path) -> dict:
 
     a, b = tensors(qtk_dir), tensors(llmc_dir)
     bits = json.loads((Path(qtk_dir) / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"]
-    rows, codes_eq, codes_n, sc_eq, sc_n = {}, 0, 0, 0, 0
+    rows, codes_eq, codes_n, sc_eq, sc_n, global_eq, global_n = {}, 0, 0, 0, 0, 0, 0
     fp8 = [x[: -len(".weight")] for x in a if x.endswith(".weight") and a[x].dtype == torch.float8_e4m3fn]
     scale_dtypes = set()
     for m in sorted([x[: -len(".weight_packed")] for x in a if x.endswith(".weight_packed")] + fp8):
         if m in fp8:  # fp8 codes compared as bytes
             ca, cb = a[f"{m}.weight"].view(torch.uint8), b[f"{m}.weight"].view(torch.uint8)
+        elif a[f"{m}.weight_packed"].dtype == torch.uint8:  # FP4 e2m1 (NVFP4, MXFP4): two codes a byte
+            ca, cb = (torch.stack([t & 0xF, t >> 4], -1) for t in (a[f"{m}.weight_packed"], b[f"{m}.weight_packed"]))
+            ga, gb = a.get(f"{m}.weight_global_scale"), b.get(f"{m}.weight_global_scale")
+            if ga is not None or gb is not None:
+                global_n += 1
+                global_eq += int(ga is not None and gb is not None and torch.equal(ga.float(), gb.float()))
         else:
             ca = unpack_from_int32(a[f"{m}.weight_packed"], bits, torch.Size(a[f"{m}.weight_shape"].tolist()))
             cb = unpack_from_int32(b[f"{m}.weight_packed"], bits, torch.Size(b[f"{m}.weight_shape"].tolist()))
@@ -244,6 +256,7 @@ def compare_codes(qtk_dir: Path, llmc_dir: Path) -> dict:
     return {"tensors": len(rows), "codes_equal": round(codes_eq / max(codes_n, 1), 6), "codes_differ": codes_n - codes_eq,
             "scales_differ": sc_n - sc_eq, "scale_dtypes": sorted(scale_dtypes),
             "scales_equal": round(sc_eq / max(sc_n, 1), 6),
+            **({"global_scales_equal": f"{global_eq} of {global_n}"} if global_n else {}),
             "tensors_all_codes_equal": sum(r["codes_equal"] == 1.0 for r in rows.values()),
             "worst": {worst: rows[worst]} if worst else {}, "per_tensor": rows}
 
@@ -282,7 +295,8 @@ def render_table(report: dict) -> str:
         if c:
             lines += ["", f"`{name}` (round-to-nearest) codes equal to llm-compressor's: {c['codes_equal']:.2%} of all "
                           f"weights ({c['tensors_all_codes_equal']} of {c['tensors']} tensors entirely); scales equal: "
-                          f"{c['scales_equal']:.2%}."]
+                          f"{c['scales_equal']:.2%}" + (f"; global scales equal: {c['global_scales_equal']}"
+                                                         if c.get("global_scales_equal") else "") + "."]
     return "\n".join(lines)
 
 

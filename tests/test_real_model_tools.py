@@ -68,7 +68,18 @@ def test_each_builtin_recipe_has_its_llmcompressor_spelling(bench, name):
     cfg = bench.llmc_config(doc)
     types = [m["type"] for m in cfg["modifiers"]]
     quant = cfg["modifiers"][-1]["kwargs"]
-    group = quant["config_groups"]["group_0"]
+    if name in bench.LLMC_PRESETS:  # issue 14's formats: llm-compressor's own preset of the same scheme
+        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+        assert quant["scheme"] == bench.LLMC_PRESETS[name]
+        preset = PRESET_SCHEMES[quant["scheme"]]
+        group = {"weights": preset["weights"].model_dump(),
+                 **({"input_activations": {**preset["input_activations"].model_dump(), "observer": "static_minmax"}}
+                    if preset.get("input_activations") is not None else {})}
+        assert group["weights"]["strategy"] == doc["weights"]["strategy"]
+        assert ("input_activations" in group) == bool(doc.get("activations"))
+    else:
+        group = quant["config_groups"]["group_0"]
     assert group["weights"]["num_bits"] == doc["weights"]["num_bits"]
     assert group["weights"].get("group_size") == doc["weights"].get("group_size")
     assert group["weights"].get("symmetric", True) == doc["weights"].get("symmetric", True)
@@ -78,7 +89,7 @@ def test_each_builtin_recipe_has_its_llmcompressor_spelling(bench, name):
                 "gptq": ["GPTQModifier"], "rtn": ["QuantizationModifier"]}
     assert types == [t for s in steps for t in expected[s]]
     act = doc.get("activations")
-    if act and act.get("dynamic") is not True:
+    if act and act.get("dynamic") is not True and name not in bench.LLMC_PRESETS:
         assert group["input_activations"]["observer"] == "static_minmax"  # llm-compressor's FP8 preset observer
         assert bench.llmc_config(doc, observer="minmax")["modifiers"][-1]["kwargs"]["config_groups"]["group_0"][
             "input_activations"]["observer"] == "minmax"
@@ -109,3 +120,27 @@ def test_compare_codes_counts_identical_codes_and_scales(bench, tmp_path, calib_
     assert c["codes_equal"] == pytest.approx(1 - 1 / total) and c["scales_equal"] == 1.0
     assert c["tensors_all_codes_equal"] == c["tensors"] - 1
     assert c["per_tensor"][k[: -len(".weight_packed")]]["codes_equal"] == pytest.approx(1 - 1 / n)
+
+
+def test_compare_codes_reads_fp4_nibbles_and_global_scales(bench, tmp_path, calib_file):
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model(tmp_path / "m", hidden=128, intermediate=256)
+    a = api.convert(src, "nvfp4-a16", tmp_path / "a", hash_source=False).outputs["vllm"]
+    same = bench.compare_codes(a, a)
+    assert same["codes_equal"] == 1.0 and same["scales_equal"] == 1.0 and same["global_scales_equal"].startswith(
+        str(same["tensors"]))
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "config.json").write_text((a / "config.json").read_text())
+    sd = load_file(str(a / "model.safetensors"))
+    k = sorted(x for x in sd if x.endswith("weight_packed"))[0]
+    sd[k] = sd[k].clone()
+    sd[k][0, 0] ^= 0x70  # the high nibble (the second FP4 code of the byte) changes, the low one stays
+    g = k.replace("weight_packed", "weight_global_scale")
+    sd[g] = sd[g] * 2
+    save_file(sd, str(b / "model.safetensors"))
+    c = bench.compare_codes(a, b)
+    m = k[: -len(".weight_packed")]
+    assert c["codes_differ"] == 1 and c["per_tensor"][m]["codes_equal"] == pytest.approx(1 - 1 / (2 * sd[k].numel()))
+    assert c["global_scales_equal"] == f"{c['tensors'] - 1} of {c['tensors']}"
