@@ -108,7 +108,10 @@ CATALOGUE = {
     "mxfp4-target-trtllm": "--target trtllm with the mxfp4-a16 recipe",
     "nvfp4-target-gptq": "--target gptq with the nvfp4-a16 recipe",
     "mxfp4-target-awq": "--target awq with the mxfp4-a16 recipe",
-    "fp8-block-ragged": "fp8-block on a model whose k/v projections (64 rows) are not multiples of 128",
+    "fp8-block-ragged": "fp8-block on a model whose k/v projections (64 rows) are not multiples of 128: vLLM merges q/k/v "
+                        "into one GEMM, where only the last member may end in a partial block",
+    "fp8-block-tp-shard": "fp8-block --tp 2 where k_proj's 128 rows split into shards of 64",
+    "fp8-block-hf-fp8-ragged": "--target hf-fp8 with fp8-block on a Linear of 192 rows (transformers would decode it wrong)",
     "fp4-scheme-bad-group": "recipe with fp4 weights in groups of 32 without E8M0 scales",
     "nvfp4-activations-dynamic": "recipe with NVFP4 activations 'dynamic: true' (no global input scale)",
     "hf-fp8-refuses-recipe": "--target hf-fp8 (quant_method fp8) with an int8 recipe (w8a16)",
@@ -667,8 +670,8 @@ def test_issue14_format_refusals(tmp_path, tiny_llama):
     code, out = convert(tmp_path, tiny_llama, "--target", "awq", recipe="mxfp4-a16")
     expect("mxfp4-target-awq", code, out, tmp_path, "not MXFP4", "use --target vllm")
     code, out = convert(tmp_path, tiny_llama, recipe="fp8-block")
-    expect("fp8-block-ragged", code, out, tmp_path, "FP8 blocks of 128x128 do not tile model.layers.0.self_attn.k_proj",
-           "fp8-dynamic")
+    expect("fp8-block-ragged", code, out, tmp_path, "vLLM cannot run model.layers.0.self_attn.k_proj [64, 128]",
+           "only the last member of a merged GEMM", "ignore it", "fp8-dynamic")
     bad = tmp_path / "fp4.yaml"
     bad.write_text("name: x\nweights: {num_bits: 4, type: float, strategy: group, group_size: 32}\n")
     code, out = convert(tmp_path, tiny_llama, recipe=bad)
@@ -696,6 +699,13 @@ def test_w4a8_and_fp8_block_refusals_for_tensorrt_llm(tmp_path, tiny_llama):
     expect("w4a8-static-target-vllm", code, out, tmp_path, "vLLM runs W4A8-FP8", "not static per-tensor ones",
            "use --target hf-modelopt or --target trtllm")
     tiles = make_tiny_model(tmp_path / "tiles", hidden=256, intermediate=512, heads=4, kv_heads=2)  # 128x128 blocks fit
+    code, out = convert(tmp_path, tiles, "--tp", "2", recipe="fp8-block")
+    expect("fp8-block-tp-shard", code, out, tmp_path, "vLLM cannot run model.layers.0.self_attn.k_proj [128, 256] at tp 2",
+           "split over tp 2 are not a multiple of block_n 128 per shard", "fp8-dynamic")
+    ragged = make_tiny_model(tmp_path / "ragged", hidden=384, intermediate=512, heads=6, kv_heads=3, head_dim=64)
+    code, out = convert(tmp_path, ragged, "--target", "hf-fp8", recipe="fp8-block")
+    expect("fp8-block-hf-fp8-ragged", code, out, tmp_path, "FP8 blocks of 128x128 do not tile model.layers.0.self_attn.k_proj "
+           "([192, 384])", "derives the block from the scale grid", "fp8-dynamic")
     code, out = convert(tmp_path, tiles, "--target", "trtllm", recipe="fp8-block")
     expect("fp8-block-target-trtllm", code, out, tmp_path, "TensorRT-LLM runs FP8 block scales (FP8_BLOCK_SCALES) only in "
            "its PyTorch backend", "use --target vllm or --target hf-fp8")

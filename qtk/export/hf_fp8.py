@@ -55,6 +55,10 @@ class HFFP8Writer(Writer):
             raise UsageError("--tp/--pp shape the trtllm target only; the HF checkpoint is sharded by the engine at load time",
                              "drop --tp/--pp for --target hf-fp8")
         hf_fp8_scheme(recipe)
+        from qtk.pipeline.targets import check_fp8_tiles
+
+        check_fp8_tiles(source, recipe, "transformers' FP8 loader derives the block from the scale grid "
+                        "(Fp8Dequantize: rows // scale_rows) and would decode a ragged weight wrong")
         return []
 
     def __init__(self, directory, source, recipe, options):

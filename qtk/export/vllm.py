@@ -106,6 +106,10 @@ class VLLMWriter(Writer):
                              "runs each layer's experts as one fused kernel with one scheme, looked up by expert 0's "
                              "names only (compressed_tensors_moe.py get_moe_method)",
                              "keep experts at the default scheme: target attention Linears only in overrides")
+        if any(s.weights.strategy == "block" for s in recipe.schemes):
+            from qtk.pipeline.targets import check_fp8_blocks
+
+            check_fp8_blocks(source, recipe, options.tp)  # what vLLM runs at the tp it will be served with
         notes = []
         if options.tp != 1 or options.pp != 1:
             notes.append(f"--tp {options.tp} --pp {options.pp} applies to the trtllm target; vLLM shards at load time "

@@ -170,3 +170,44 @@ def _count(n: int) -> str:
         if n >= div:
             return f"{n / div:.3g}{unit}"
     return str(n)
+
+
+
+def fp8_block_misfit(parts: list[int], in_features: int, block: tuple[int, int], tp: int = 1, *,
+                     split: str = "column", shard_parts: list[int] | None = None) -> tuple[int, str] | None:
+    """Why vLLM cannot run FP8 blocks on one GEMM: (the index of the part at fault, the rule it breaks), or None.
+
+    parts: the output sizes of the Linears vLLM runs as that GEMM, in its order (q, k, v; gate, up; one entry for an
+    unmerged Linear); shard_parts: their sizes on one tp rank where that is not part // tp (K/V heads replicated when
+    tp exceeds them); split: how tensor parallelism cuts the GEMM ("column": its outputs, "row": its inputs, "none":
+    replicated, "experts": a fused-MoE expert); block = (rows, columns) = vLLM's (block_n, block_k).
+
+    The output rule is vLLM's validate_fp8_block_shape: a GEMM whose outputs are split over tp ranks needs every part's
+    shard to be a multiple of block_n; a merged GEMM that is not split needs every part but the last to be one (the
+    last part may end in a partial block row: scale grid ceil(out/block_n)); an unmerged Linear may have any output
+    size. The input size (per shard) must be a multiple of block_k at every tp: validate_fp8_block_shape lets a ragged
+    input through at tp 1, but the activations cannot then be quantized per token per group of block_k: vLLM's CUDA
+    quantizer (fp8_utils.per_token_group_quant_fp8, used whenever the quant_fp8 custom op is on, e.g. with
+    --enforce-eager) asserts in % group_size == 0, and compressed-tensors' group fake-quant raises (its own note: vLLM
+    needs the columns divisible). Fused-MoE experts are held to whole blocks both ways (per shard of the intermediate),
+    as vLLM's fused-MoE FP8 block methods check."""
+    bn, bk = block
+    split_out = tp > 1 and split in ("column", "experts")
+    shards = list(shard_parts) if shard_parts is not None else [p // tp if split_out else p for p in parts]
+    if split == "row" and tp > 1:
+        if in_features % tp or (in_features // tp) % bk:
+            return 0, f"its input size {in_features} split over tp {tp} is not a multiple of block_k {bk} per shard"
+    elif in_features % bk:
+        return 0, (f"its input size {in_features} is not a multiple of block_k {bk} (the activations are quantized "
+                   f"per token in whole groups of {bk})")
+    if split == "experts" or split_out:
+        for k, (p, s) in enumerate(zip(parts, shards)):
+            if (split_out and s * tp != p and shard_parts is None) or s % bn:
+                where = f" split over tp {tp}" if split_out else ""
+                return k, f"its {p} outputs{where} are not a multiple of block_n {bn}" + (" per shard" if split_out else "")
+        return None
+    for k, p in enumerate(parts[:-1]):
+        if p % bn:
+            return k, (f"it is merged into one GEMM with the Linears after it and its {p} outputs are not a multiple of "
+                       f"block_n {bn} (only the last member of a merged GEMM may end in a partial block)")
+    return None

@@ -1,6 +1,7 @@
 """Which Linears of each layer a recipe quantizes, and the recipe checked against the model before any work: ignore
 patterns and override targets that name no Linear, fused groups split by ignore or given two schemes, group sizes
-that do not divide a Linear's input size."""
+that do not divide a Linear's input size, FP8 blocks the target's engine cannot run (qtk itself quantizes FP8 blocks
+of any shape: the last block row and column may be partial; the writers call check_fp8_blocks / check_fp8_tiles)."""
 
 from __future__ import annotations
 
@@ -70,13 +71,10 @@ def check_group_size(source, recipe: Recipe) -> None:
         for t in target_linears(source, recipe, i):
             w = recipe.scheme_for(prefix + t).weights
             name = f"{prefix}{t}.weight"
-            if w.strategy not in ("group", "tensor_group", "block") or name not in source.weight_map:
+            if w.strategy not in ("group", "tensor_group") or name not in source.weight_map:
                 continue  # the skeleton check names missing tensors
             shape = source.shape(name)
             if len(shape) != 2:
-                continue
-            if w.strategy == "block":
-                _check_blocks(prefix + t, [int(x) for x in shape], w)
                 continue
             if w.type == "float":
                 fixed.add(w.group_size)
@@ -98,13 +96,95 @@ def check_group_size(source, recipe: Recipe) -> None:
         raise UsageError(f"group_size {group_size} does not divide in_features {n} of {m}", fix)
 
 
-def _check_blocks(module: str, shape: list[int], w) -> None:
-    """FP8 blocks must tile the weight: vLLM refuses a fused part or a shard that is not a multiple of the block
-    (validate_fp8_block_shape) and transformers' FP8 loader derives the block from the scale grid, so a ragged
-    weight would decode wrong there."""
-    bm, bn = w.block_structure
-    out_f, in_f = shape
-    if out_f % bm or in_f % bn:
-        raise UsageError(f"FP8 blocks of {bm}x{bn} do not tile {module} ([{out_f}, {in_f}]): vLLM refuses ragged "
-                         "blocks", "ignore the Linears that do not fit (recipe ignore:), or use fp8-dynamic "
-                         "(per-channel FP8, any shape)")
+
+PREFUSED = ("self_attn.qkv_proj", "mlp.gate_up_proj")  # Phi-3 stores these fused: vLLM still runs them as parts
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # vLLM's RowParallelLinear: tp splits their inputs
+
+
+def fp8_block_gemms(source, recipe, i: int):
+    """The FP8-block GEMMs vLLM runs for layer i: (member Linears in vLLM's order, their [out, in] shapes, how tp
+    splits the GEMM, the K/V parts' head count or None), from the safetensors headers (no data read)."""
+    arch = source.arch
+    prefix = source.layer_prefix(i)
+    shapes = {}
+    for t in target_linears(source, recipe, i):
+        w = recipe.scheme_for(prefix + t).weights
+        name = f"{prefix}{t}.weight"
+        if w.strategy == "block" and name in source.weight_map and len(source.shape(name)) == 2:
+            shapes[t] = tuple(int(x) for x in source.shape(name))
+    done: set[str] = set()
+    for members, _ in arch.vllm_fused:
+        if all(m in shapes for m in members):
+            done.update(members)
+            yield members, [shapes[m] for m in members], "column"
+    for t, shape in shapes.items():
+        if t in done:
+            continue
+        if ".experts." in t:
+            yield (t,), [shape], "experts"
+        elif t in ROW_PARALLEL:
+            yield (t,), [shape], "row"
+        else:
+            yield (t,), [shape], "column"
+
+
+def _prefused_parts(source, t: str, out: int) -> list[int]:
+    """The parts vLLM splits a checkpoint's pre-fused Linear into (Phi-3's qkv_proj: q, k, v; gate_up_proj: gate, up)."""
+    c = source.config
+    if t == "mlp.gate_up_proj":
+        return [out // 2, out // 2]
+    heads, kv = int(c.num_attention_heads), int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+    hd = out // (heads + 2 * kv)
+    return [heads * hd, kv * hd, kv * hd]
+
+
+def check_fp8_blocks(source, recipe, tp: int = 1) -> None:
+    """Before any work: vLLM can run every FP8-block Linear of the recipe at tensor-parallel size tp
+    (qtk.model.config_check.fp8_block_misfit: vLLM's validate_fp8_block_shape, inputs in whole activation groups).
+    Refused naming the first Linear at fault, its shape, the rule and the fix."""
+    from qtk.model.config_check import fp8_block_misfit
+
+    c = source.config
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or getattr(c, "num_attention_heads", 1) or 1)
+    for i in range(source.num_layers):
+        prefix = source.layer_prefix(i)
+        for members, shapes, split in fp8_block_gemms(source, recipe, i):
+            block = tuple(recipe.scheme_for(prefix + members[0]).weights.block_structure)
+            parts, in_f = [s[0] for s in shapes], shapes[0][1]
+            if len(members) == 1 and members[0] in PREFUSED:
+                parts = _prefused_parts(source, members[0], parts[0])
+            shard_parts = None
+            if split == "column" and tp > 1 and kv_heads < tp and len(parts) == 3:  # K/V heads copied, one per rank
+                shard_parts = [parts[0] // tp, parts[1] // kv_heads, parts[2] // kv_heads]
+            if split == "experts":
+                # gate/up: outputs split over tp (w13); down: inputs split (w2); checked per shard
+                if members[0].endswith(source.arch.moe.down):
+                    miss = fp8_block_misfit(parts, in_f // tp, block, 1, split="experts")
+                else:
+                    miss = fp8_block_misfit([p // tp for p in parts], in_f, block, 1, split="experts")
+            else:
+                miss = fp8_block_misfit(parts, in_f, block, tp, split=split, shard_parts=shard_parts)
+            if miss is None:
+                continue
+            k, why = miss
+            m = members[min(k, len(members) - 1)]
+            bm, bn = block
+            at = f" at tp {tp}" if tp > 1 else ""
+            raise UsageError(f"FP8 blocks of {bm}x{bn}: vLLM cannot run {prefix}{m} {list(shapes[min(k, len(shapes) - 1)])}"
+                             f"{at}: {why}",
+                             "ignore it (recipe ignore:; q/k/v and gate/up go together), or use fp8-dynamic "
+                             "(per-channel FP8, any shape)")
+
+
+def check_fp8_tiles(source, recipe, why: str) -> None:
+    """Before any work: the recipe's FP8 blocks tile every block-quantized Linear (for formats whose loader derives
+    the block from the scale grid)."""
+    for i in range(source.num_layers):
+        prefix = source.layer_prefix(i)
+        for members, shapes, _ in fp8_block_gemms(source, recipe, i):
+            bm, bn = recipe.scheme_for(prefix + members[0]).weights.block_structure
+            for m, (out_f, in_f) in zip(members, shapes):
+                if out_f % bm or in_f % bn:
+                    raise UsageError(f"FP8 blocks of {bm}x{bn} do not tile {prefix}{m} ([{out_f}, {in_f}]): {why}",
+                                     "ignore the Linears that do not fit (recipe ignore:), or use "
+                                     "fp8-dynamic (per-channel FP8, any shape)")

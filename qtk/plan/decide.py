@@ -192,18 +192,45 @@ def kv_variants(recipes: Mapping[str, object], gpu) -> list[tuple[str, object, s
     return out
 
 
-def untiled(s: ModelShape, recipe) -> str | None:
-    """The first quantized Linear (name [out, in]) whose shape the recipe's FP8 blocks do not tile, or None."""
+def untiled(s: ModelShape, recipe, tp: int = 1) -> str | None:
+    """The first quantized Linear (name [out, in]: the rule) whose FP8 blocks vLLM cannot run at tensor-parallel size
+    tp, or None: qtk.model.config_check.fp8_block_misfit (validate_fp8_block_shape; inputs in whole groups) on the
+    GEMMs vLLM runs: q/k/v and gate/up merged and column-parallel, o_proj and down_proj row-parallel, MLA's
+    down-projections replicated, experts in whole blocks per shard."""
+    from itertools import groupby
+
+    from qtk.model.config_check import fp8_block_misfit
     from qtk.plan.memory import model_tensors, scheme_of
 
-    for t in model_tensors(s):
-        if t.role != "linear":
+    merged = ("attn_in", "mlp_in", "shared_in")
+    row = ("o_in", "mlp_down", "shared_down")
+    linears = [t for t in model_tensors(s) if t.role == "linear" and t.input_group != "lm_head"]
+    for _, group in groupby(linears, key=lambda t: (t.layer, t.input_group)):
+        group = list(group)
+        m = scheme_of(recipe, group[0].name)
+        if m is None or m.weights.strategy != "block":
             continue
-        m = scheme_of(recipe, t.name)
-        if m is not None and m.weights.strategy == "block":
-            bm, bn = m.weights.block_structure
-            if t.shape[0] % bm or t.shape[1] % bn:
-                return f"{t.name} {list(t.shape)}"
+        block = tuple(m.weights.block_structure)
+        tag = group[0].input_group
+        if s.is_mla and tag == "attn_in":  # q_a_proj / kv_a_proj_with_mqa replicated, q_proj column-parallel
+            gemms = [([t], "column" if t.name.endswith(".q_proj") else "none") for t in group]
+        elif tag in merged:
+            gemms = [(group, "column")]
+        else:
+            gemms = [([t], "row" if tag in row else "experts" if tag.startswith("expert") else "column") for t in group]
+        for ts, split in gemms:
+            parts, in_f = [t.shape[0] for t in ts], ts[0].shape[1]
+            if split == "experts":
+                miss = (fp8_block_misfit(parts, in_f // tp, block, 1, split="experts") if tag == "expert_down"
+                        else fp8_block_misfit([p // tp for p in parts], in_f, block, 1, split="experts"))
+            else:
+                shard = None
+                if split == "column" and tp > 1 and len(ts) == 3 and 0 < s.kv_heads < tp:  # K/V heads copied
+                    shard = [parts[0] // tp, parts[1] // s.kv_heads, parts[2] // s.kv_heads]
+                miss = fp8_block_misfit(parts, in_f, block, tp if split != "none" else 1, split=split, shard_parts=shard)
+            if miss is not None:
+                t = ts[min(miss[0], len(ts) - 1)]
+                return f"{t.name} {list(t.shape)}: {miss[1]}"
     return None
 
 
@@ -260,9 +287,9 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
         elif k.w4a8 and not gpu.w4a8_fp8:
             c.status = "excluded"
             c.reason = f"W4A8-FP8 runs in vLLM on Hopper only (SM90 CUTLASS kernel); {gpu.label} is {gpu.generation}"
-        elif untiled(s, r):
+        elif (misfit := untiled(s, r, dep.tp)):
             c.status = "excluded"
-            c.reason = f"FP8 blocks do not tile {untiled(s, r)} (vLLM and qtk refuse ragged blocks)"
+            c.reason = f"vLLM cannot run FP8 blocks on {misfit} (at tp {dep.tp})"
         elif not m.fits:
             c.status = "no-fit"
             c.reason = f"does not fit: needs {m.needed / GB:.1f} GB per GPU of {m.budget / GB:.1f} GB"

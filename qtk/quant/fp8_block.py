@@ -66,14 +66,17 @@ def fp8_group_fake_quant(x: torch.Tensor, group_size: int | None = FP8_ACT_GROUP
     """Quantize-dequantize activations x [..., n] with dynamic FP8 scales per token per group of group_size
     input channels (None = the whole row: per token, W4A8-FP8 and FP8-dynamic). Returns x's dtype.
 
-    As compressed-tensors simulates it: scale = amax/448 in x's dtype (eps where 0), q = fp8(x / scale)."""
+    As compressed-tensors simulates it: scale = amax/448 in x's dtype (eps where 0), q = fp8(x / scale). When
+    group_size does not divide n the last group is partial (ceil(n/g) groups, its scale over its real elements), as
+    vLLM's native QuantFP8 computes it (zero padding cannot raise an amax); compressed-tensors' own fake-quant and
+    vLLM's CUDA quantizer refuse such an n, which is why qtk's targets do (qtk.model.config_check.fp8_block_misfit)."""
     n = x.shape[-1]
     g = n if group_size is None else group_size
-    if n % g:
-        raise ValueError(f"FP8 activation groups of {g} do not divide the last dim {n}")
-    xg = x.reshape(*x.shape[:-1], n // g, g)  # [..., G, g]
+    G = -(-n // g)
+    xp = torch.nn.functional.pad(x, (0, G * g - n)) if G * g != n else x
+    xg = xp.reshape(*x.shape[:-1], G, g)  # [..., G, g]
     amax = xg.detach().abs().amax(-1, keepdim=True)
     s = (amax.float() / FP8_E4M3_MAX).to(x.dtype)
     s = torch.where(s == 0, torch.finfo(x.dtype).eps, s)
     q = (xg / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8).to(x.dtype)
-    return (q * s).reshape(x.shape)
+    return (q * s).reshape(*x.shape[:-1], G * g)[..., :n]

@@ -197,9 +197,31 @@ def test_fp8_blocks_are_excluded_where_they_do_not_tile():
     tiny = replace(s, kv_heads=1, head_dim=64)  # k/v of 64 rows
     d = recommend(tiny, Deployment(get_gpu("h100-sxm"), context=4096, concurrency=8))
     blk = next(c for c in d.candidates if c.name == "fp8-block")
-    assert blk.status == "excluded" and "do not tile" in blk.reason
+    assert blk.status == "excluded" and "vLLM cannot run FP8 blocks on model.layers.0.self_attn.k_proj [64, 4096]" in blk.reason
+    assert "only the last member of a merged GEMM" in blk.reason
     d = recommend(s, Deployment(get_gpu("h100-sxm"), context=4096, concurrency=8))
     assert next(c for c in d.candidates if c.name == "fp8-block").status != "excluded"
+
+
+def test_untiled_follows_vllms_rule_at_the_deployment_tp():
+    """Ragged outputs of unmerged Linears are fine (DeepSeek-V3's 576-row kv_a_proj_with_mqa at tp 8); a k/v shard of
+    64 rows at tp 8 is not; SmolLM2-135M (hidden 576) only fits where its 576-wide inputs are ignored; scale bytes
+    count the ceil grid."""
+    from qtk.plan.decide import untiled
+    from qtk.plan.memory import checkpoint_tensors
+    from qtk.recipe import load_recipe
+
+    r = load_recipe("fp8-block")
+    s = ModelShape.from_config(read_config(CONFIGS / "llama-3-8b.json"))  # 32 heads, 8 KV heads of 128
+    assert untiled(s, r, 1) is None and untiled(s, r, 8) is None and untiled(s, r, 16) is None  # 16: KV heads copied
+    narrow = replace(s, head_dim=64)  # k/v of 512 rows: whole blocks at tp 1, 64-row shards at tp 8
+    assert untiled(narrow, r, 1) is None
+    assert "k_proj [512, 4096]: its 512 outputs split over tp 8" in untiled(narrow, r, 8)
+    assert untiled(ModelShape.from_config(read_config(CONFIGS / "deepseek-v3.json")), r, 8) is None
+    smol = replace(s, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, layers=2)
+    assert "q_proj [576, 576]" in untiled(smol, r, 1)
+    scales = {t.name: t.shape for t in checkpoint_tensors(smol, r) if t.name.endswith("down_proj.weight_scale")}
+    assert scales and set(scales.values()) == {(5, 12)}  # ceil(576/128) x 1536/128
 
 
 def test_recommend_on_b200_picks_fp4_for_deepseek_v3_and_says_why():

@@ -47,9 +47,19 @@ def test_group_fake_quant_per_token_and_per_group():
     assert torch.equal(y[0, :128], x[0, :128].div(2).to(torch.float8_e4m3fn).float().mul(2))
     assert torch.equal(y[0, 128:], x[0, 128:])  # all-zero group stays zero
     assert torch.equal(y[1], x[1])  # 3 is representable: scale 3/448, q = 448
-    with pytest.raises(ValueError, match="128"):
-        fp8_group_fake_quant(torch.ones(2, 200))
     assert torch.equal(fp8_group_fake_quant(torch.ones(2, 200), None), torch.ones(2, 200))
+
+
+def test_group_fake_quant_partial_last_group():
+    """200 channels: a group of 128 and a partial one of 72, each scaled by its own amax (vLLM's native QuantFP8 pads
+    with zeros, which cannot raise an amax); the same as quantizing the two slices apart."""
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x[:, 10] = 100.0  # only the first group sees it: the partial group keeps its own, finer scale
+    y = fp8_group_fake_quant(x)
+    assert y.shape == x.shape
+    assert torch.equal(y[:, :128], fp8_group_fake_quant(x[:, :128].contiguous(), None))
+    assert torch.equal(y[:, 128:], fp8_group_fake_quant(x[:, 128:].contiguous(), None))
+    assert not torch.equal(y[:, 128:], fp8_group_fake_quant(x, None)[:, 128:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -92,3 +102,27 @@ def test_activations_match_compressed_tensors(preset, group, dtype):
     x[0, 0, :128] = 0
     s, _ = compute_dynamic_scales_and_zp(x, act, None)
     assert torch.equal(fp8_group_fake_quant(x, group), fake_quantize(x, s, None, act))
+
+
+@pytest.mark.parametrize("shape", [(576, 192), (192, 200), (1536, 576)])
+def test_ragged_codes_equal_compressed_tensors_forward(shape):
+    """On ragged bf16 weights qtk's codes equal compressed-tensors' own block quantization (lifecycle.forward.quantize:
+    pad, quantize per block, crop) and its fake-quant, with scales from its calculate_qparams over the padded blocks."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize, quantize
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = preset_name_to_scheme("FP8_BLOCK", ["Linear"]).weights
+    g = torch.Generator().manual_seed(shape[0])
+    w = (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16)
+    w[-1, -1] = 3.0  # the ragged corner block's amax comes from its real elements only
+    R, C = -(-shape[0] // 128), -(-shape[1] // 128)
+    blocks = torch.nn.functional.pad(w, (0, C * 128 - shape[1], 0, R * 128 - shape[0])).reshape(R, 128, C, 128)
+    scale_ct, zp = calculate_qparams(blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3)), args)
+    s = fp8_block_scales(w)
+    assert s.shape == (R, C) and torch.equal(s, scale_ct)
+    assert s[-1, -1].item() == torch.tensor(3.0 / 448, dtype=torch.bfloat16).item()
+    q_ct = quantize(w, scale_ct, zp, args, dtype=torch.float8_e4m3fn)
+    q = fp8_block_quantize(w, s)
+    assert q_ct.shape == shape and torch.equal(q_ct.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(fake_quantize(w, scale_ct, zp, args), fp8_block_dequantize(q, s, dtype=torch.bfloat16))
