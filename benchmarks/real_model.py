@@ -1,8 +1,8 @@
 """qtk against llm-compressor on a real pretrained model: per built-in recipe, held-out perplexity of both tools'
 vLLM (compressed-tensors) checkpoints made from the same calibration token ids, wall time and peak RSS of each
-conversion; for the round-to-nearest recipes w4a16, fp8-dynamic and w8a16 the codes (integer or fp8) and scales of
-both checkpoints compared tensor by tensor; for fp8 a second llm-compressor run with its moving-average activation
-observer.
+conversion; for the round-to-nearest recipes w4a16, fp8-dynamic, w8a16, nvfp4-a16, mxfp4-a16 and fp8-block the
+codes (integer, fp8 or FP4) and scales of both checkpoints compared tensor by tensor (NVFP4's global scales too); for
+fp8 a second llm-compressor run with its moving-average activation observer.
 
     nice .venv/bin/python benchmarks/real_model.py [--recipes w4a16 w4a16-gptq ...] [--num-samples 16]
         [--seq-len 512] [--ppl-tokens 4096] [--threads 2]
@@ -23,7 +23,10 @@ llm-compressor's side of each recipe is the same scheme in its own words (Quanti
   rtn -> QuantizationModifier; gptq -> GPTQModifier (llm-compressor's defaults: block 128, dampening 0.01,
   actorder "static"); awq -> AWQModifier(duo_scaling, n_grid 20) + QuantizationModifier (llm-compressor has no
   clip search); smoothquant -> SmoothQuantModifier(smoothing_strength = alpha); KV cache -> kv_cache_scheme FP8
-  per-tensor (what vLLM loads; qtk's "8-bit KV" is FP8 for vLLM too). Static activations use "static_minmax",
+  per-tensor (what vLLM loads; qtk's "8-bit KV" is FP8 for vLLM too). Issue 14's formats run as llm-compressor's
+  own presets (LLMC_PRESETS: nvfp4-a16 -> NVFP4A16, nvfp4 -> NVFP4, nvfp4-gptq -> GPTQModifier(scheme NVFP4),
+  mxfp4-a16 -> MXFP4A16, fp8-block -> FP8_BLOCK). fp8-block: both tools leave the Linears whose 576-wide input
+  128-column activation groups cannot tile unquantized (fp8_block_ignores), so only down_proj is FP8-block. Static activations use "static_minmax",
   the observer of llm-compressor's own FP8 preset (running min/max over every calibration batch), like qtk;
   recipe "fp8" is run a second time with "minmax" (llm-compressor's default when a scheme names no observer:
   a moving average of each batch's min/max, averaging constant 0.01).
@@ -90,6 +93,20 @@ def qtk_recipe_doc(name: str, in_features: list[int]) -> dict:
     if w.get("strategy") == "group" and any(n % w["group_size"] for n in in_features):
         w["group_size"] = next(g for g in (128, 64, 32, 16) if g <= w["group_size"] and all(n % g == 0 for n in in_features))
     return doc
+
+
+def fp8_block_ignores(cfg: dict, block: int = 128) -> list[str]:
+    """The Linears FP8 blocks cannot serve on this model, as ignore patterns both tools read alike ('re:' + a regex
+    that matches the whole module name): vLLM quantizes a block recipe's activations per token in whole groups of
+    128 input columns, so a Linear whose input size 128 does not divide stays unquantized (qtk refuses it for the
+    vllm target, llm-compressor would write it). SmolLM2-135M: hidden 576 -> q/k/v/o and gate/up, so only down_proj
+    (input 1536) is FP8-block."""
+    out = []
+    if cfg["hidden_size"] % block:
+        out += [r"re:.*self_attn\.(q|k|v|o)_proj", r"re:.*mlp\.(gate|up)_proj"]
+    if cfg["intermediate_size"] % block:
+        out.append(r"re:.*mlp\.down_proj")
+    return out
 
 
 def llmc_config(doc: dict, observer: str = "static_minmax") -> dict:
@@ -404,6 +421,8 @@ def main():
     done: list[str] = []
     for name in a.recipes:
         doc = qtk_recipe_doc(name, in_features)
+        if doc["weights"].get("strategy") == "block":
+            doc["ignore"] = [*doc.get("ignore", ["lm_head"]), *fp8_block_ignores(cfg)]
         runs = {"qtk": (run_qtk, doc), "llmcompressor": (run_llmc, llmc_config(doc))}
         if name == "fp8" and not a.no_fp8_observer_variant:
             runs["llmcompressor_minmax_observer"] = (run_llmc, llmc_config(doc, observer="minmax"))
