@@ -208,8 +208,8 @@ def test_override_activations_inherit_unless_given():
     ({"targets": [], "weights": {"num_bits": 8}}, "targets must be a non-empty list", "targets:"),
     ({"targets": ["re:(("], "weights": {"num_bits": 8}}, "is not a valid regex", "fix the pattern"),
     ({"targets": ["o_proj"], "weights": {"num_bits": 8}, "scheme": "x"}, "overrides[0]: unknown key 'scheme'", "valid keys"),
-    ({"targets": ["o_proj"], "weights": {"num_bits": 4, "strategy": "group", "group_size": 64},
-      "activations": {"num_bits": 8, "strategy": "token", "dynamic": True}}, "4-bit weights with 8-bit activations", "drop activations"),
+    ({"targets": ["o_proj"], "weights": {"num_bits": 4, "strategy": "group", "group_size": 64, "symmetric": False},
+      "activations": {"num_bits": 8, "strategy": "token", "dynamic": True}}, "run only as W4A8-INT8", "drop activations"),
     ({"targets": ["o_proj"], "weights": {"num_bits": 3}}, "overrides[0]: weights.num_bits: int3 is not supported", "use one of"),
 ])
 def test_bad_overrides_name_problem_and_fix(overrides, problem, fix):

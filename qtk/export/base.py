@@ -13,7 +13,8 @@ from qtk.recipe.rules import ModuleScheme
 
 
 def next_format(scheme: ModuleScheme) -> str | None:
-    """The issue-14 format a module scheme is (NVFP4, NVFP4A16, MXFP4, MXFP8, FP8 block, W4A8-FP8), or None for the
+    """The issue-14 format a module scheme is (NVFP4, NVFP4A16, MXFP4, MXFP8, FP8 block, W4A8-FP8,
+    W4A8-INT8), or None for the
     int / per-tensor and per-channel fp8 formats every target knew before; for refusals that name what is refused."""
     w, a = scheme.weights, scheme.activations
     if w.is_nvfp4:
@@ -24,6 +25,8 @@ def next_format(scheme: ModuleScheme) -> str | None:
         return "FP8 block"
     if a is not None and w.type == "int" and w.num_bits == 4 and a.is_fp8:
         return "W4A8-FP8"
+    if a is not None and w.type == "int" and w.num_bits == 4 and a.type == "int":
+        return "W4A8-INT8"
     return None
 
 

@@ -46,14 +46,17 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
         if a.dynamic:
             raise UsageError(f"{where}: ModelOpt's W4A8_AWQ quantizes activations to FP8 per tensor with a static "
                              f"(calibrated) scale, not {a.describe()}",
-                             "set activations: {strategy: tensor, dynamic: false} for ModelOpt, or use --target vllm "
-                             "for per-token W4A8-FP8")
+                             "use the w4a8-fp8-static recipe (activations {strategy: tensor, dynamic: false}) for "
+                             "ModelOpt, or --target vllm for per-token W4A8-FP8")
         if recipe.writes_g_idx:
             raise UsageError(f"{where}: ModelOpt's W4A8_AWQ has no g_idx for GPTQ actorder group", "set gptq actorder: static (no g_idx)")
         kv = recipe.kv_cache
         if kv is not None and not kv.is_fp8:
             raise UsageError(f"{where}: ModelOpt HF checkpoints carry FP8 KV-cache scales only", "set kv_cache type: float")
         return "W4A8_AWQ", None if kv is None else "FP8", w.group_size
+    if "W4A8-INT8" in new:  # no fix of our own: the targets that accept the recipe are computed from their checks
+        raise UsageError(f"{where}: ModelOpt has no HF export of int4 weights with INT8 activations: its W4A8 "
+                         "(W4A8_AWQ) takes static FP8 activations (the w4a8-fp8-static recipe)")
     if "FP8 block" in new:  # no fix of our own: the targets that accept the recipe are computed from their checks
         raise UsageError(f"{where}: ModelOpt's only FP8 block export (quant_algo fp8_pb_wo) is weight-only; FP8 block "
                          "with per-token-group FP8 activations has no ModelOpt HF form")

@@ -1,6 +1,7 @@
 """vLLM target: a compressed-tensors checkpoint (docs/formats.md, vllm), and its reader.
 
-int-quantized (W8A8 int8), float-quantized (FP8) or pack-quantized (weight-only int4/int8), per module (the layouts
+int-quantized (W8A8 int8, and W4A8-INT8: int4 codes in int8, as llm-compressor's W4A8 writes it and vLLM's
+CompressedTensorsW4A8Int loads it), float-quantized (FP8) or pack-quantized (weight-only int4/int8, W4A8-FP8), per module (the layouts
 are qtk.export.codecs.ct's). The KV cache is FP8 with k_scale = amax(K after RoPE)/448 and v_scale = amax(V)/448:
 vLLM has no INT8 KV cache with checkpoint scales, so an 8-bit int KV recipe becomes FP8 KV here (and the output says
 so).
@@ -122,6 +123,10 @@ class VLLMWriter(Writer):
             notes.append("mixed precision: in transformers load it on the default path (from_pretrained without a "
                          "quantization_config): transformers' CompressedTensorsConfig(dequantize=True) decodes every "
                          "dense Linear with the first config group's scheme")
+        if any(next_format(s) == "W4A8-INT8" for s in recipe.schemes):
+            notes.append("W4A8-INT8 (int-quantized, vLLM's CompressedTensorsW4A8Int) runs with INT8 activations on CPUs "
+                         "(Arm KleidiAI) and Intel XPUs; vLLM's NVIDIA kernels have no INT8-activation path for it "
+                         "(serve w4a8-fp8 on Hopper, w4a16-gptq elsewhere)")
         if recipe.kv_cache is not None and not recipe.kv_cache.is_fp8:
             notes.append("vLLM has no INT8 KV cache with checkpoint scales: wrote FP8 KV scales (amax/448); "
                          "serve with --kv-cache-dtype fp8")

@@ -232,7 +232,7 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
     for m in modules:
         lin = model.get_submodule(m)
         scheme = ckpt.scheme_for(m)
-        act = scheme.activations if (simulate_activations and scheme is not None) else None
+        act = scheme.engine_activations if (simulate_activations and scheme is not None) else None
         scale = ckpt.input_scale(m) if act is not None and act.has_static_scale else None
         replace_module(model, m, QLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), act, scale))
     # a checkpoint of a family qtk does not convert is simulated module by module

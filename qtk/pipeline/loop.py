@@ -111,7 +111,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
         if not torch.isfinite(qt.scale).all():  # a NaN/Inf weight poisons its row's scale: cheaper than scanning W
             raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
         if batches and not isinstance(layer.get_submodule(t), QLinear):
-            w_hat = swap_in(layer, t, qt, ctx.scheme(t).activations, amax)  # the next layer sees what the engine computes
+            w_hat = swap_in(layer, t, qt, ctx.scheme(t).engine_activations, amax)  # the next layer sees what the engine computes
         else:
             w_hat = layer.get_submodule(t).weight if batches else engine_weight(qt)
         # measured against the source weight in the frame it was quantized in (smoothing folded, AWQ's clipping not:

@@ -6,7 +6,8 @@ as a combination (say INT4 weights + FP8 KV) is found and written out as a recip
 weights first (8-bit), then the KV cache, then 4-bit weights; the first class with a recipe that fits with
 headroom wins, and within a class the more accurate, better-supported recipe. FP8 is only considered on
 GPUs with FP8 tensor cores, FP4 (NVFP4, MXFP4) only on Blackwell's FP4 tensor cores, W4A8-FP8 only on Hopper
-(vLLM's kernel is SM90-only): FP4 on Blackwell, FP8 on Hopper / Ada, INT8 / INT4 on Ampere.
+(vLLM's kernel is SM90-only), static W4A8-FP8 on Ada and Hopper (TensorRT-LLM's W4A8_AWQ), W4A8-INT8 on none of the
+table's GPUs (vLLM runs it on CPUs and Intel XPUs): FP4 on Blackwell, FP8 on Hopper / Ada, INT8 / INT4 on Ampere.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class RecipeClass:
     weight_bits: int
     fp8: bool  # FP8 weights or activations: needs FP8 tensor cores
     fp4: bool  # FP4 weights or activations (NVFP4, MXFP4): needs Blackwell's FP4 tensor cores
-    w4a8: bool  # int4 weights with FP8 activations: vLLM runs it on Hopper only
+    w4a8: bool  # int4 weights with 8-bit activations (W4A8-FP8 or W4A8-INT8): ranked after native 8-bit formats
+    w4a8_kind: str | None  # "fp8-dynamic" (vLLM, Hopper), "fp8-static" (TensorRT-LLM W4A8_AWQ, Ada/Hopper), "int8"
     kv8: bool
     weight_only: bool
     calibrated: str | None  # the calibrating step (gptq/awq/smoothquant), None for round-to-nearest
@@ -46,7 +48,8 @@ class RecipeClass:
             weight_bits=w.num_bits,
             fp8=w.is_fp8 or (a is not None and a.is_fp8),
             fp4=w.is_fp4 or (a is not None and a.is_fp4),
-            w4a8=w.type == "int" and a is not None and a.is_fp8,
+            w4a8=w.type == "int" and w.num_bits == 4 and a is not None,
+            w4a8_kind=w4a8_kind(recipe),
             kv8=recipe.kv_cache is not None,
             weight_only=recipe.activations is None,
             calibrated=next((s for s in recipe.step_names if s in CALIBRATED), None),
@@ -65,6 +68,31 @@ class RecipeClass:
         # float weights (FP8, FP4) run natively where they are allowed at all, and keep more precision than int
         return (0 if (self.fp8 or self.fp4) and not self.w4a8 else 1, 0 if self.calibrated else 1, 0 if self.weight_only else 1,
                 self.granularity, 0 if self.symmetric else 1, 1 if self.static_activations else 0)
+
+
+def w4a8_kind(recipe) -> str | None:
+    """Which W4A8 a recipe is, which decides where it runs: "fp8-dynamic" (per-token FP8: vLLM's CUTLASS W4A8, Hopper),
+    "fp8-static" (per-tensor static FP8: TensorRT-LLM's W4A8_AWQ, Ada and Hopper), "int8" (per-token INT8: vLLM's
+    CompressedTensorsW4A8Int, CPUs and Intel XPUs), or None."""
+    w, a = recipe.weights, recipe.activations
+    if a is None or w.type != "int" or w.num_bits != 4:
+        return None
+    if a.is_fp8:
+        return "fp8-dynamic" if a.dynamic else "fp8-static"
+    return "int8" if a.type == "int" else None
+
+
+def w4a8_excluded(kind: str | None, gpu) -> str | None:
+    """Why a W4A8 recipe cannot run on `gpu` (None: it can, or it is no W4A8)."""
+    if kind == "fp8-dynamic" and not gpu.w4a8_fp8:
+        return f"W4A8-FP8 runs in vLLM on Hopper only (SM90 CUTLASS kernel); {gpu.label} is {gpu.generation}"
+    if kind == "fp8-static" and not gpu.w4a8_awq:
+        return (f"static W4A8-FP8 runs in TensorRT-LLM's W4A8_AWQ kernels on Ada and Hopper only; {gpu.label} is "
+                f"{gpu.generation}")
+    if kind == "int8" and not gpu.w4a8_int8:
+        return (f"W4A8-INT8 runs in vLLM on CPUs (Arm KleidiAI) and Intel XPUs only: no kernel runs INT8 activations "
+                f"with int4 weights on {gpu.label} (serve w4a8-fp8 on Hopper, w4a16-gptq elsewhere)")
+    return None
 
 
 @dataclass
@@ -284,9 +312,9 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
             c.status = "excluded"
             c.reason = (f"FP8 needs FP8 tensor cores (Ada, Hopper, Blackwell, MI300); {gpu.label} ({gpu.generation}) "
                         "has none")
-        elif k.w4a8 and not gpu.w4a8_fp8:
+        elif w4a8_excluded(k.w4a8_kind, gpu):
             c.status = "excluded"
-            c.reason = f"W4A8-FP8 runs in vLLM on Hopper only (SM90 CUTLASS kernel); {gpu.label} is {gpu.generation}"
+            c.reason = w4a8_excluded(k.w4a8_kind, gpu)
         elif (misfit := untiled(s, r, dep.tp)):
             c.status = "excluded"
             c.reason = f"vLLM cannot run FP8 blocks on {misfit} (at tp {dep.tp})"

@@ -2,7 +2,8 @@
 
 Native number formats by generation (what vLLM and TensorRT-LLM run in tensor cores, not emulated):
 Ampere / Turing: INT8, INT4 (weight-only kernels); Ada, Hopper: + FP8, incl. 128x128 FP8 blocks (DeepGEMM /
-CUTLASS on Hopper, Triton on Ada); Hopper: + W4A8-FP8 (CUTLASS, SM90 only); Blackwell: + FP4 (NVFP4 and MXFP4:
+CUTLASS on Hopper, Triton on Ada); Ada, Hopper: + static W4A8 (TensorRT-LLM's W4A8_AWQ); Hopper: + W4A8-FP8
+(vLLM's CUTLASS, SM90 only); W4A8-INT8: no GPU here (vLLM runs it on CPUs and Intel XPUs); Blackwell: + FP4 (NVFP4 and MXFP4:
 block-scaled FP4 tensor cores). MI300 (CDNA3): FP8, no FP4.
 
 Data, not logic. Memory is the total the driver reports (nvidia-smi / rocm-smi `memory.total`),
@@ -52,6 +53,20 @@ class GPU:
     def w4a8_fp8(self) -> bool:
         """vLLM's W4A8-FP8 kernel (CUTLASS) is built for SM90 (Hopper) only."""
         return self.generation == "Hopper"
+
+    @property
+    def w4a8_awq(self) -> bool:
+        """TensorRT-LLM's W4A8_AWQ (int4 groups, static per-tensor FP8 activations: w4a8-fp8-static) runs on Ada and
+        Hopper only (its hardware support matrix, docs/source/features/quantization.md: not Ampere, not Blackwell)."""
+        return self.generation in ("Ada", "Hopper")
+
+    @property
+    def w4a8_int8(self) -> bool:
+        """W4A8-INT8 (int4 groups, dynamic per-token INT8 activations) has no GPU kernel in this table: vLLM's
+        CompressedTensorsW4A8Int runs with INT8 activations on CPUs (Dynamic4bitLinearKernel: Arm KleidiAI) and Intel
+        XPUs (XPUW4A8IntLinearKernel); its CUDA kernels take FP8 (CUTLASS W4A8) or 16-bit activations, and
+        TensorRT-LLM's INT8-activation W4A8 is QServe's own layout."""
+        return False
 
     def peak_flops(self, activation_type: str | None) -> float:
         """Dense peak for the GEMM input type: 'fp4' (NVFP4), 'float' (fp8), 'int' (int8) or None (bf16/fp16)."""

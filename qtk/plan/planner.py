@@ -69,8 +69,12 @@ def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan, *, recomme
     elif recipe is not None and (recipe.weights.type == "float" or activation_type(recipe) == "float") and not dep.gpu.fp8:
         notes.append(f"FP8 recipe on {dep.gpu.label}: no FP8 tensor cores ({dep.gpu.generation}); engines fall back "
                      "to slower weight-only kernels or refuse — prefer an INT8 recipe")
-    if recipe is not None and activation_type(recipe) == "float" and recipe.weights.type == "int" and not dep.gpu.w4a8_fp8:
-        notes.append(f"W4A8-FP8 on {dep.gpu.label}: vLLM's W4A8-FP8 kernel is Hopper-only (SM90) — prefer w4a16-gptq")
+    if recipe is not None:
+        from qtk.plan.decide import w4a8_excluded, w4a8_kind
+
+        why = w4a8_excluded(w4a8_kind(recipe), dep.gpu)
+        if why:
+            notes.append(f"{recipe.name} on {dep.gpu.label}: {why}")
     if recipe is not None and recipe.weights.num_bits < 8 and not recommended:
         notes.append(f"INT{recipe.weights.num_bits} weights are risky for math/code workloads: gate the checkpoint with qtk eval")
     if s.max_position and dep.context > s.max_position:

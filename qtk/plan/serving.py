@@ -39,9 +39,17 @@ def hardware_notes(recipe, gpu) -> list[str]:
         out.append("FP8 blocks run in vLLM's block-scaled FP8 kernels (DeepGEMM / CUTLASS on Hopper and Blackwell, "
                    "Triton on Ada); every quantized Linear and each tensor-parallel shard must stay a multiple of 128"
                    + ("" if gpu.fp8 else f"; {gpu.label} has no FP8 tensor cores"))
-    if w.type == "int" and a is not None and a.is_fp8:
+    if w.type == "int" and a is not None and a.is_fp8 and a.dynamic:
         out.append("W4A8-FP8 runs in vLLM's CUTLASS W4A8 kernel, Hopper (SM90) only"
                    + ("" if gpu.w4a8_fp8 else f": {gpu.label} is {gpu.generation}, serve w4a16-gptq there"))
+    elif w.type == "int" and a is not None and a.is_fp8:
+        out.append("static W4A8-FP8 runs in TensorRT-LLM's W4A8_AWQ kernels (trtllm-build from --target trtllm, or "
+                   "the hf-modelopt checkpoint), Ada and Hopper only; vLLM's W4A8-FP8 takes per-token activations "
+                   "(w4a8-fp8)" + ("" if gpu.w4a8_awq else f": {gpu.label} is {gpu.generation}"))
+    elif w.type == "int" and w.num_bits == 4 and a is not None:
+        out.append("W4A8-INT8 runs in vLLM's CompressedTensorsW4A8Int on CPUs (Arm KleidiAI, which repacks the int8 "
+                   "codes to 4 bits at load) and Intel XPUs; no NVIDIA GPU kernel runs its INT8 activations"
+                   + ("" if gpu.w4a8_int8 else f" ({gpu.label}: serve w4a8-fp8 on Hopper, w4a16-gptq elsewhere)"))
     return out
 
 

@@ -37,6 +37,21 @@ class ModuleScheme:
     def static_activations(self) -> bool:
         return self.activations is not None and self.activations.has_static_scale
 
+    @property
+    def engine_activations(self) -> QuantScheme | None:
+        """The activation quantization the engine runs for this module, which the simulation reproduces. The
+        config's own scheme, except W4A8-INT8: vLLM's CompressedTensorsW4A8Int runs on torch's dynamic 4-bit matmul
+        (Dynamic4bitLinearKernel -> aten._dyn_quant_matmul_4bit, KleidiAI's qai8dx on Arm), which quantizes each token
+        to int8 asymmetrically (min/max with a zero point) whatever `symmetric` the config states (llm-compressor's
+        W4A8 writes true); tests/export/test_w4a8_int8.py holds the simulation to that kernel."""
+        w, a = self.weights, self.activations
+        if (a is not None and w.type == "int" and w.num_bits == 4 and a.type == "int" and a.num_bits == 8
+                and a.strategy == "token" and a.dynamic is True and a.symmetric):
+            from dataclasses import replace
+
+            return replace(a, symmetric=False)
+        return a
+
     def describe(self) -> str:
         return f"W: {self.weights.describe()}, A: {self.activations.describe() if self.activations else '16-bit'}"
 

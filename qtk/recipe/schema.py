@@ -348,7 +348,8 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
 
 def _check_pair(weights: QuantScheme, activations: QuantScheme | None, where: str) -> None:
     """Weights and activations that one kernel can run together: W8A8 (int with int, fp8 with fp8), NVFP4 with NVFP4
-    (W4A4), FP8 blocks with per-token-group FP8, int4 groups with 8-bit per-token activations (W4A8)."""
+    (W4A4), FP8 blocks with per-token-group FP8, int4 groups with FP8 (W4A8-FP8) or dynamic per-token INT8 (W4A8-INT8)
+    activations."""
     if activations is None:
         return
     w, a = weights, activations
@@ -377,6 +378,13 @@ def _check_pair(weights: QuantScheme, activations: QuantScheme | None, where: st
             raise UsageError(f"{where}: int4 group weights run with 8-bit activations only as W4A8-FP8: symmetric "
                              "groups of 128, FP8 activations per token, dynamic (vLLM's CompressedTensorsW4A8Fp8) or "
                              "per tensor, static (TensorRT-LLM's W4A8_AWQ)", "use the w4a8-fp8 recipe as a template")
+        return
+    if w.type == "int" and w.num_bits == 4 and a.type == "int" and a.num_bits == 8:  # W4A8-INT8
+        # vLLM's CompressedTensorsW4A8Int (_is_dynamic_token_w4a8_int): symmetric int4 weights, int8 per token, dynamic
+        if not (w.strategy == "group" and w.symmetric and a.strategy == "token" and a.dynamic is True and a.symmetric):
+            raise UsageError(f"{where}: 4-bit weights with 8-bit int activations (W4A8) run only as W4A8-INT8: symmetric "
+                             "int4 groups with symmetric INT8 activations per token, dynamic (vLLM's CompressedTensorsW4A8Int)",
+                             "use the w4a8-int8 recipe as a template, or drop activations for weight-only (W4A16)")
         return
     if activations.type != weights.type:
         raise UsageError(f"{where}: activations are {activations.type} but weights are {weights.type}",

@@ -95,7 +95,7 @@ def group_hessians(ctx: LayerContext, groups) -> dict[tuple[str, ...], Hessian]:
     hessians = {g: Hessian(ctx.layer.get_submodule(g[0]).weight.shape[1], ctx.device) for g in groups}
 
     def observer(g):
-        act = ctx.group_scheme(g).activations
+        act = ctx.group_scheme(g).engine_activations
         if act is None:
             return hessians[g].update
         scale = static_scale(ctx.amax[g[0]], act) if act.has_static_scale else None

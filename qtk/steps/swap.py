@@ -25,4 +25,4 @@ def swap_in(layer, name: str, qt: QTensor, act: QuantScheme | None, amax: dict[s
 def swap_in_all(ctx, names) -> None:
     """swap_in each of `names` (relative) with its QTensor and its module's activation scheme."""
     for t in names:
-        swap_in(ctx.layer, t, ctx.qweights[t], ctx.scheme(t).activations, ctx.amax)
+        swap_in(ctx.layer, t, ctx.qweights[t], ctx.scheme(t).engine_activations, ctx.amax)

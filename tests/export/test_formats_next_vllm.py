@@ -22,7 +22,8 @@ from qtk import api
 from qtk.export import open_checkpoint
 from qtk.model.simulate import build_simulated_model, engine_weight
 
-NEW = ("nvfp4", "nvfp4-gptq", "nvfp4-kv8", "nvfp4-a16", "mxfp4-a16", "fp8-block", "fp8-block-kv8", "w4a8-fp8")
+NEW = ("nvfp4", "nvfp4-gptq", "nvfp4-kv8", "nvfp4-a16", "mxfp4-a16", "fp8-block", "fp8-block-kv8", "w4a8-fp8",
+       "w4a8-int8")
 # recipes whose activation quantization compressed-tensors' run-time path reproduces bit for bit in bf16
 RUNTIME = ("nvfp4", "nvfp4-gptq", "nvfp4-a16", "mxfp4-a16", "fp8-block")
 
@@ -41,12 +42,13 @@ def _ids():
 
 def _compressor(fmt: str):
     from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
-    from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
+    from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor, IntQuantizationCompressor
     from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
     from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
 
     return {"nvfp4-pack-quantized": NVFP4PackedCompressor, "mxfp4-pack-quantized": MXFP4PackedCompressor,
-            "float-quantized": FloatQuantizationCompressor, "pack-quantized": PackedQuantizationCompressor}[fmt]
+            "float-quantized": FloatQuantizationCompressor, "pack-quantized": PackedQuantizationCompressor,
+            "int-quantized": IntQuantizationCompressor}[fmt]
 
 
 @pytest.mark.parametrize("recipe", NEW)

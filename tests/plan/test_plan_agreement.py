@@ -55,7 +55,11 @@ def aligned_llama(tmp_path_factory):
 
 
 BLOCK = sorted(r for r in builtin_recipes() if load_recipe(r).weights.strategy == "block")
-CASES = [(m, r) for r in sorted(builtin_recipes()) for m in
+# static W4A8-FP8 (TensorRT-LLM's W4A8_AWQ) has no vLLM checkpoint to compare with: vLLM refuses static W4A8
+VLLM_REFUSES = {r for r in builtin_recipes() if load_recipe(r).activations is not None
+                and load_recipe(r).weights.type == "int" and load_recipe(r).activations.is_fp8
+                and not load_recipe(r).activations.dynamic}
+CASES = [(m, r) for r in sorted(set(builtin_recipes()) - VLLM_REFUSES) for m in
          (["aligned_llama"] if r in BLOCK else ["tiny_llama", "tiny_qwen2_tied"])]
 
 

@@ -239,3 +239,26 @@ def test_json_names_the_kv_figures_per_gpu_and_shows_the_decode_efficiency():
     assert t["decode_efficiency"] == pytest.approx(0.8 * 0.9)
     text = " ".join(run(CONFIGS / "llama-3-8b.json", "--tp", 2).output.split())
     assert "decode efficiency (of peak bandwidth) │ 72% = 80% MBU × 0.90 tensor-parallel" in text
+
+
+@pytest.mark.parametrize("recipe,gpu,says", [
+    ("w4a8-int8", "h100-sxm", "W4A8-INT8 runs in vLLM on CPUs (Arm KleidiAI) and Intel XPUs only"),
+    ("w4a8-fp8-static", "a100-80g", "static W4A8-FP8 runs in TensorRT-LLM's W4A8_AWQ kernels on Ada and Hopper only"),
+    ("w4a8-fp8-static-kv8", "b200", "B200 180GB is Blackwell"),
+    ("w4a8-fp8", "l4", "W4A8-FP8 runs in vLLM on Hopper only"),
+])
+def test_plan_says_when_the_gpu_cannot_run_a_w4a8_recipe(model_dir, recipe, gpu, says):
+    r = run(model_dir, "--recipe", recipe, "--gpu", gpu, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert any(n.startswith(f"{recipe} on ") and says in n for n in doc["notes"]), doc["notes"]
+    r = run(model_dir, "--recipe", recipe, "--gpu", gpu)
+    assert says in " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("recipe,gpu", [("w4a8-fp8-static", "h100-sxm"), ("w4a8-fp8-static-kv8", "l4"),
+                                        ("w4a8-fp8", "h200")])
+def test_plan_has_no_w4a8_warning_where_it_runs(model_dir, recipe, gpu):
+    doc = json.loads(run(model_dir, "--recipe", recipe, "--gpu", gpu, "--json").output)
+    assert not any(n.startswith(f"{recipe} on ") for n in doc["notes"]), doc["notes"]
+    assert any("W4A8" in n for n in doc["serving"]["notes"])  # where it runs, in the README's serving lines

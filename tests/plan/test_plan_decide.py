@@ -229,3 +229,36 @@ def test_recommend_on_b200_picks_fp4_for_deepseek_v3_and_says_why():
     d = recommend(s, Deployment(get_gpu("b200"), context=4096, concurrency=8, tp=4))
     assert d.chosen == "nvfp4-gptq", d.reason
     assert "FP4 runs natively on B200 180GB's FP4 tensor cores" in d.reason and "does not fit" in d.reason
+
+
+# ---- issue 14: the W4A8 built-ins, where each runs (qtk/plan/hardware.py: w4a8_fp8, w4a8_awq, w4a8_int8)
+
+@pytest.mark.parametrize("gpu,static_ok,dynamic_ok", [("h100-sxm", True, True), ("l4", True, False),
+                                                      ("a100-80g", False, False), ("b200", False, False)])
+def test_w4a8_recipes_are_excluded_where_their_kernels_do_not_run(gpu, static_ok, dynamic_ok):
+    """Per-token W4A8-FP8: vLLM's CUTLASS kernel, Hopper only; static W4A8-FP8: TensorRT-LLM's W4A8_AWQ, Ada and
+    Hopper; W4A8-INT8: vLLM on CPUs and Intel XPUs, so no GPU of the table."""
+    s = ModelShape.from_config(read_config(CONFIGS / "llama-3.1-70b.json"))
+    d = recommend(s, Deployment(get_gpu(gpu), context=4096, concurrency=8))
+    by = {c.name: c for c in d.candidates}
+    for name in ("w4a8-fp8-static", "w4a8-fp8-static-kv8"):
+        assert (by[name].status == "excluded") != static_ok, (name, by[name].reason)
+        if not static_ok:  # an A100 has no FP8 at all, which is said first
+            assert ("TensorRT-LLM's W4A8_AWQ kernels on Ada and Hopper only" in by[name].reason
+                    or "FP8 needs FP8 tensor cores" in by[name].reason), by[name].reason
+    assert (by["w4a8-fp8"].status == "excluded") != dynamic_ok
+    assert by["w4a8-int8"].status == "excluded" and "CPUs (Arm KleidiAI) and Intel XPUs" in by["w4a8-int8"].reason
+    assert by["w4a8-int8+kv8"].status == "excluded"
+
+
+def test_w4a8_bytes_follow_the_written_layout():
+    """W4A8-INT8 is int-quantized (one int8 per int4 code, as llm-compressor's W4A8 and vLLM's W4A8Int), the static
+    W4A8-FP8 packs two codes a byte (W4A8_AWQ's int4 row pairs, the same bytes as pack-quantized)."""
+    from qtk.plan.memory import weight_bytes
+
+    s = ModelShape.from_config(read_config(CONFIGS / "llama-3-8b.json"))
+    int8 = weight_bytes(s, load_recipe("w4a8-int8"))
+    static = weight_bytes(s, load_recipe("w4a8-fp8-static"))
+    w4a16 = weight_bytes(s, load_recipe("w4a16-gptq"))
+    assert int8.quantized == 2 * static.quantized == 2 * w4a16.quantized
+    assert static.total > w4a16.total  # plus one static input scale per Linear

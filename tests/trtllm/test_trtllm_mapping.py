@@ -145,7 +145,7 @@ def test_hf_modelopt_w4a8_awq_and_fp8_block():
     assert modelopt_quant(recipe(weights=W4(128), activations=FP8_STATIC, kv_cache=KV_FP8)) == ("W4A8_AWQ", "FP8", 128)
     with pytest.raises(UsageError, match="per tensor with a static") as e:
         modelopt_quant(load_recipe("w4a8-fp8"))
-    assert "--target vllm" in e.value.fix and "dynamic: false" in e.value.fix
+    assert "--target vllm" in e.value.fix and "dynamic: false" in e.value.fix and "w4a8-fp8-static" in e.value.fix
     for name in ("fp8-block", "fp8-block-kv8"):
         with pytest.raises(UsageError, match="fp8_pb_wo") as e:
             modelopt_quant(load_recipe(name))

@@ -13,7 +13,9 @@
     any              weight_g_idx int32 [in] in older checkpoints (actorder group), read but never written
 
 W4A8-FP8 (int4 groups with FP8 per-token activations) is pack-quantized: vLLM's CompressedTensorsW4A8Fp8 reads
-weight_packed, as llm-compressor's W4AFP8 example saves it.
+weight_packed, as llm-compressor's W4AFP8 example saves it. W4A8-INT8 (int4 groups with INT8 per-token activations)
+is int-quantized: weight int8 [out, in] holding the codes -8..7, as llm-compressor's W4A8 writes it and vLLM's
+CompressedTensorsW4A8Int loads it (an int8 `weight` [out, in] and `weight_scale` [out, in/group]).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def ct_format(scheme) -> str:
         return MXFP4 if w.num_bits == 4 else MXFP8
     if w.is_fp8:
         return "float-quantized"
-    if scheme.activations is not None and not scheme.activations.is_fp8:  # W4A8-FP8 stays packed
+    if scheme.activations is not None and not scheme.activations.is_fp8:  # W8A8 int8, W4A8-INT8; W4A8-FP8 stays packed
         return "int-quantized"
     return "pack-quantized"
 

@@ -99,7 +99,8 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
     | int4 group 128, sym     | fp8 tensor static    | W4A8_AWQ (also for RTN and GPTQ)     |
 
     Refused, naming the target that runs them: W4A8-FP8 with dynamic per-token activations (TensorRT-LLM's W4A8_AWQ
-    takes one static FP8 input scale per tensor), FP8 blocks (TensorRT-LLM runs FP8_BLOCK_SCALES only in its PyTorch
+    takes one static FP8 input scale per tensor: the w4a8-fp8-static recipe), W4A8-INT8 (TensorRT-LLM's int8-activation
+    W4A8 is QServe's layout), FP8 blocks (TensorRT-LLM runs FP8_BLOCK_SCALES only in its PyTorch
     backend, from a Hugging Face checkpoint; ModelOpt's TensorRT-LLM export of its FP8 block config fails too), MX.
     """
     w, a, steps = scheme.weights, scheme.activations, recipe.step_names
@@ -112,8 +113,8 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
         if a.dynamic:
             raise UsageError(f"{where}: TensorRT-LLM's W4A8_AWQ quantizes activations to FP8 per tensor with a static "
                              f"(calibrated) scale, not {a.describe()}",
-                             "set activations: {strategy: tensor, dynamic: false} for TensorRT-LLM, or use --target vllm "
-                             "for per-token W4A8-FP8")
+                             "use the w4a8-fp8-static recipe (activations {strategy: tensor, dynamic: false}) for "
+                             "TensorRT-LLM, or --target vllm for per-token W4A8-FP8")
         if recipe.writes_g_idx:
             raise UsageError(f"{where}: TensorRT-LLM's group-wise int4 kernels have no g_idx for GPTQ actorder group",
                              "set gptq actorder: static (no g_idx)")
@@ -121,6 +122,12 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
             notes.append(f"TensorRT-LLM: wrote the {'/'.join(steps)} int4 group-{w.group_size} weights as W4A8_AWQ "
                          "(identity pre-quant scale)")
         return LayerAlgo("W4A8_AWQ", w.group_size), notes
+    if new == "W4A8-INT8":  # no fix of our own: the targets that accept the recipe are named by check_targets
+        raise UsageError(f"{where}: qtk does not write W4A8-INT8 as a TensorRT-LLM checkpoint: TensorRT-LLM runs int4 "
+                         "weights with INT8 activations only as QServe "
+                         "(W4A8_QSERVE_PER_GROUP / _PER_CHANNEL: asymmetric int4 under per-channel int8 scales, from "
+                         "QServe's progressive quantization), a layout qtk does not write; its W4A8_AWQ takes FP8 "
+                         "activations (the w4a8-fp8-static recipe)")
     if new == "FP8 block":  # no fix of our own: the targets that accept the recipe are named by check_targets
         raise UsageError(f"{where}: qtk does not write FP8 block as a TensorRT-LLM checkpoint: TensorRT-LLM runs FP8 "
                          "block scales (FP8_BLOCK_SCALES) only in its PyTorch backend, which loads them from a Hugging "

@@ -185,6 +185,8 @@ class GroupedFormat(Format):
         """Per-token dynamic (scale = row amax / max) or static per-tensor; runs on every Linear input of a simulated
         model, so it works in place on one float32 buffer."""
         qmax = self.max_value(scheme)
+        if scheme.dynamic and not scheme.symmetric and scheme.type == "int" and scheme.strategy == "token":
+            return self._fake_quant_asymmetric_tokens(x, scheme)
         if scheme.dynamic:
             amax = x.abs().amax(-1, keepdim=True) if scheme.strategy == "token" else x.abs().amax()
             if amax.dtype != torch.float32:
@@ -198,6 +200,19 @@ class GroupedFormat(Format):
         y = x.float().div(s) if x.dtype != torch.float32 else x.div(s)
         y = self.round_activation_(y, scheme)
         y = y.mul_(s)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    @staticmethod
+    def _fake_quant_asymmetric_tokens(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+        """Per-token asymmetric int-N, as torch's dynamic 4-bit matmul quantizes its input (W4A8-INT8): each row's
+        range [min(x, 0), max(x, 0)] spans qmin..qmax, scale = range / (qmax - qmin), zero point round(qmin -
+        min/scale); x -> (clamp(round(x/scale) + zp) - zp) * scale, in float32."""
+        xf = x.float()
+        lo = xf.amin(-1, keepdim=True).clamp_max_(0)
+        hi = xf.amax(-1, keepdim=True).clamp_min_(0)
+        s = (hi - lo).div_(scheme.qmax - scheme.qmin).clamp_min_(_TINY)
+        zp = (scheme.qmin - lo / s).round_()
+        y = (xf / s).round_().add_(zp).clamp_(scheme.qmin, scheme.qmax).sub_(zp).mul_(s)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def static_scale(self, amax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
