@@ -6,6 +6,7 @@ every fingerprint identical (tests/test_fingerprints.py). Regenerate (and review
 meant to change, and say why in the commit message:
 
     .venv/bin/python tests/fingerprints.py --update
+    .venv/bin/python tests/fingerprints.py --update --only ID   # add or retake the cases whose id contains ID
 
 Calibration runs on one thread, as the tests do: the results of calibrated recipes depend on the order of float
 additions in the CPU's GEMM kernels, so they are compared byte for byte on the machine signature they were taken on
@@ -164,6 +165,13 @@ def main(argv=None) -> int:
                 continue
             print(c["id"], flush=True)
             result["cases"][c["id"]] = run_case(c, models, tmp / "out")
+    if args.only and args.update and DATA.is_file():
+        # add or retake only the selected cases; a case taken on another machine than the file's records its own
+        # signature, against which tests/test_fingerprints.py compares its calibrated bytes
+        stored = json.loads(DATA.read_text())
+        for cid, case in result["cases"].items():
+            stored["cases"][cid] = case if machine() == stored["machine"] else {**case, "machine": machine()}
+        result = stored
     text = json.dumps(result, indent=1, sort_keys=True) + "\n"
     if args.update:
         DATA.parent.mkdir(parents=True, exist_ok=True)
