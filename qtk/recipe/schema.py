@@ -137,8 +137,12 @@ def validate_scheme(s: QuantScheme, where: str, role: str) -> None:
         if s.is_nvfp4 and not fp4_act:
             raise UsageError(f"{where}.dynamic: NVFP4 activations take group scales at run time under a calibrated global "
                              "scale", "set dynamic: local")
-        if s.is_mx:
-            raise UsageError(f"{where}: MX activations are not written by qtk's targets", "drop activations (mxfp4-a16)")
+        mx_act = s.is_mx and s.num_bits == 8 and s.dynamic is True
+        if s.is_mx and not mx_act:
+            raise UsageError(f"{where}: MX activations are MXFP8 (num_bits 8) with block scales taken at run time; "
+                             f"qtk's targets write no {s.describe()} activations",
+                             "use the mxfp8 recipe's activations (num_bits: 8, dynamic: true) or drop them (mxfp4-a16)")
+        group_act = group_act or mx_act
         if s.strategy not in ("tensor", "token") and not (fp4_act or group_act):
             raise UsageError(f"{where}.strategy: activations are quantized per tensor or per token (or per token "
                              "group: NVFP4, FP8 block)", "use strategy: tensor or token")
@@ -358,9 +362,12 @@ def _check_pair(weights: QuantScheme, activations: QuantScheme | None, where: st
             raise UsageError(f"{where}: NVFP4 weights and activations go together (W4A4) or the weights alone (W4A16)",
                              "use the nvfp4 or nvfp4-a16 recipe as a template")
         return
-    if w.is_mx:
-        raise UsageError(f"{where}: MX weights with quantized activations are not written by qtk's targets",
-                         "drop activations (mxfp4-a16)")
+    if w.is_mx or a.is_mx:  # W8A8-MX: vLLM's CompressedTensorsW8A8Mxfp8 (FlashInfer CUTLASS on Blackwell)
+        if not (w.is_mx and a.is_mx and w.num_bits == 8 and a.num_bits == 8):
+            raise UsageError(f"{where}: MX weights run with quantized activations only as MXFP8 with MXFP8 activations "
+                             f"(W8A8-MX), not {w.describe()} weights with {a.describe()} activations",
+                             "use the mxfp8 recipe as a template, or drop activations (mxfp4-a16, mxfp8-a16)")
+        return
     a_group = a.strategy == "group"
     if w.strategy == "block" or a_group:
         if not (w.strategy == "block" and a_group and a.is_fp8):

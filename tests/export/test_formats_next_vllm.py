@@ -3,7 +3,8 @@
 - compressed-tensors' own compressors decompress every written module to exactly qtk's decoded weight;
 - transformers + compressed-tensors reload each checkpoint with the logits of qtk's simulation: weights only in
   float32 (CompressedTensorsConfig(dequantize=True)), and the run-time path with activations quantized (NVFP4
-  W4A4's per-token groups of 16 under the static global input scale, FP8 block's per-token groups of 128) in bf16,
+  W4A4's per-token groups of 16 under the static global input scale, FP8 block's per-token groups of 128, MXFP8
+  W8A8's blocks of 32 under run-time E8M0 scales) in bf16,
   the dtype compressed-tensors 0.20 runs NVFP4 in;
 - NVFP4 global scales are shared across fused q/k/v and gate/up, on disk.
 
@@ -22,10 +23,10 @@ from qtk import api
 from qtk.export import open_checkpoint
 from qtk.model.simulate import build_simulated_model, engine_weight
 
-NEW = ("nvfp4", "nvfp4-gptq", "nvfp4-kv8", "nvfp4-a16", "mxfp4-a16", "fp8-block", "fp8-block-kv8", "w4a8-fp8",
-       "w4a8-int8")
+NEW = ("nvfp4", "nvfp4-gptq", "nvfp4-kv8", "nvfp4-a16", "mxfp4-a16", "mxfp8-a16", "mxfp8", "fp8-block", "fp8-block-kv8",
+       "w4a8-fp8", "w4a8-int8")
 # recipes whose activation quantization compressed-tensors' run-time path reproduces bit for bit in bf16
-RUNTIME = ("nvfp4", "nvfp4-gptq", "nvfp4-a16", "mxfp4-a16", "fp8-block")
+RUNTIME = ("nvfp4", "nvfp4-gptq", "nvfp4-a16", "mxfp4-a16", "mxfp8-a16", "mxfp8", "fp8-block")
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,13 @@ def _ids():
 
 def _compressor(fmt: str):
     from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
+    from compressed_tensors.compressors.mxfp8 import MXFP8QuantizationCompressor
     from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor, IntQuantizationCompressor
     from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
     from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
 
     return {"nvfp4-pack-quantized": NVFP4PackedCompressor, "mxfp4-pack-quantized": MXFP4PackedCompressor,
+            "mxfp8-quantized": MXFP8QuantizationCompressor,
             "float-quantized": FloatQuantizationCompressor, "pack-quantized": PackedQuantizationCompressor,
             "int-quantized": IntQuantizationCompressor}[fmt]
 
@@ -93,7 +96,7 @@ def test_runtime_reload_in_bf16_equals_the_simulation_with_activations(converted
     with torch.no_grad():
         a, b = ref(_ids()).logits.float(), sim(_ids()).logits.float()
     assert (a - b).abs().max().item() <= 1e-4
-    if recipe in ("nvfp4", "fp8-block"):  # the activations really are quantized in both
+    if recipe in ("nvfp4", "fp8-block", "mxfp8"):  # the activations really are quantized in both
         plain = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False, dtype=torch.bfloat16)
         with torch.no_grad():
             assert (plain(_ids()).logits.float() - a).abs().max().item() > 1e-3

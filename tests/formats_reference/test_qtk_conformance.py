@@ -19,7 +19,7 @@ from qtk.recipe import builtin_recipes
 REF = json.loads(LLMC_MANIFEST.read_text())
 # llm-compressor case -> qtk recipe (and whether k/v are left out, see the module docstring)
 CASES = {"nvfp4": ("nvfp4", False), "nvfp4-kv8": ("nvfp4-kv8", False), "nvfp4a16": ("nvfp4-a16", False),
-         "mxfp4a16": ("mxfp4-a16", False), "fp8-block": ("fp8-block", True), "fp8-block-kv8": ("fp8-block-kv8", True),
+         "mxfp4a16": ("mxfp4-a16", False), "mxfp8": ("mxfp8", False), "fp8-block": ("fp8-block", True), "fp8-block-kv8": ("fp8-block-kv8", True),
          "w4afp8-packed": ("w4a8-fp8", False), "w4a8-int": ("w4a8-int8", False)}
 ARGS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "scale_dtype")
 KV_ARGS = ("num_bits", "type", "symmetric", "strategy", "dynamic")
