@@ -119,6 +119,11 @@ CATALOGUE = {
     "w4a8-token-target-trtllm": "--target trtllm with w4a8-fp8 (per-token dynamic FP8 activations; W4A8_AWQ's are static)",
     "w4a8-static-target-vllm": "--target vllm with W4A8 whose FP8 activations are static per tensor (TensorRT-LLM's form)",
     "fp8-block-target-trtllm": "--target trtllm with fp8-block (FP8_BLOCK_SCALES loads from a Hugging Face checkpoint)",
+    # issue 14: MXFP8
+    "mxfp8-target-trtllm": "--target trtllm with the mxfp8 recipe (QuantAlgo.MXFP8 is a PyTorch-backend method)",
+    "mxfp8-target-hf-modelopt": "--target hf-modelopt with the mxfp8-a16 recipe (ModelOpt's own E8M0 scale rule)",
+    "mxfp4-activations": "recipe with MXFP4 activations (MX activations are MXFP8 only)",
+    "mx-weights-fp8-token-activations": "recipe with MXFP8 weights and per-token FP8 activations",
     # qtk plan
     "plan-weights-file": "qtk plan given a weights file instead of the model directory",
     "plan-tp-heads": "qtk plan --tp 3 on 4 attention heads",
@@ -709,6 +714,28 @@ def test_w4a8_and_fp8_block_refusals_for_tensorrt_llm(tmp_path, tiny_llama):
     code, out = convert(tmp_path, tiles, "--target", "trtllm", recipe="fp8-block")
     expect("fp8-block-target-trtllm", code, out, tmp_path, "TensorRT-LLM runs FP8 block scales (FP8_BLOCK_SCALES) only in "
            "its PyTorch backend", "use --target vllm or --target hf-fp8")
+
+
+def test_mxfp8_refusals(tmp_path, tiny_llama):
+    """MXFP8 is written for vLLM only: TensorRT-LLM and ModelOpt refuse it before any work, naming vllm; MX activations
+    are MXFP8 and run only with MXFP8 weights."""
+    code, out = convert(tmp_path, tiny_llama, "--target", "trtllm", recipe="mxfp8")
+    expect("mxfp8-target-trtllm", code, out, tmp_path, "qtk does not write MXFP8 as a TensorRT-LLM checkpoint",
+           "QuantAlgo.MXFP8", "use --target vllm")
+    code, out = convert(tmp_path, tiny_llama, "--target", "hf-modelopt", recipe="mxfp8-a16")
+    expect("mxfp8-target-hf-modelopt", code, out, tmp_path, "qtk does not write MXFP8 as a ModelOpt HF checkpoint",
+           "2^ceil(log2(amax/448))", "use --target vllm")
+    bad = tmp_path / "mx.yaml"
+    bad.write_text("name: x\nweights: {num_bits: 4, type: float, strategy: group, group_size: 32, scale_dtype: e8m0}\n"
+                   "activations: {num_bits: 4, type: float, strategy: group, group_size: 32, scale_dtype: e8m0, "
+                   "dynamic: true}\n")
+    code, out = convert(tmp_path, tiny_llama, recipe=bad)
+    expect("mxfp4-activations", code, out, tmp_path, "MX activations are MXFP8 (num_bits 8)", "mxfp8 recipe")
+    bad.write_text("name: x\nweights: {num_bits: 8, type: float, strategy: group, group_size: 32, scale_dtype: e8m0}\n"
+                   "activations: {num_bits: 8, type: float, strategy: token, dynamic: true}\n")
+    code, out = convert(tmp_path, tiny_llama, recipe=bad)
+    expect("mx-weights-fp8-token-activations", code, out, tmp_path, "only as MXFP8 with MXFP8 activations (W8A8-MX)",
+           "use the mxfp8 recipe as a template")
 
 
 def test_plan_bad_inputs(tmp_path, model):

@@ -60,6 +60,10 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
     if "FP8 block" in new:  # no fix of our own: the targets that accept the recipe are computed from their checks
         raise UsageError(f"{where}: ModelOpt's only FP8 block export (quant_algo fp8_pb_wo) is weight-only; FP8 block "
                          "with per-token-group FP8 activations has no ModelOpt HF form")
+    if "MXFP8" in new:  # no fix of our own: the targets that accept the recipe are computed from their checks
+        raise UsageError(f"{where}: qtk does not write MXFP8 as a ModelOpt HF checkpoint: ModelOpt's MXFP8 "
+                         "(quant_algo MXFP8, MXFP8_DEFAULT_CFG) chooses each E8M0 scale as 2^ceil(log2(amax/448)), not "
+                         "compressed-tensors' rule that qtk quantizes with")
     if new:  # no fix of our own: the targets that accept the recipe are computed from their checks
         raise UsageError(f"{where}: qtk does not write {', '.join(new)} as a ModelOpt HF checkpoint")
     if a is not None and not a.is_fp8:

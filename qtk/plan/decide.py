@@ -5,7 +5,8 @@ never by name. Every weight scheme is tried with and without an 8-bit KV cache, 
 as a combination (say INT4 weights + FP8 KV) is found and written out as a recipe file. Order: compress the
 weights first (8-bit), then the KV cache, then 4-bit weights; the first class with a recipe that fits with
 headroom wins, and within a class the more accurate, better-supported recipe. FP8 is only considered on
-GPUs with FP8 tensor cores, FP4 (NVFP4, MXFP4) only on Blackwell's FP4 tensor cores, W4A8-FP8 only on Hopper
+GPUs with FP8 tensor cores, FP4 (NVFP4, MXFP4) only on Blackwell's FP4 tensor cores, MXFP8 only on Blackwell's
+block-scaled FP8 tensor cores (elsewhere vLLM runs it weight-only), W4A8-FP8 only on Hopper
 (vLLM's kernel is SM90-only), static W4A8-FP8 on Ada and Hopper (TensorRT-LLM's W4A8_AWQ), W4A8-INT8 on none of the
 table's GPUs (vLLM runs it on CPUs and Intel XPUs): FP4 on Blackwell, FP8 on Hopper / Ada, INT8 / INT4 on Ampere.
 """
@@ -32,6 +33,7 @@ class RecipeClass:
     weight_bits: int
     fp8: bool  # FP8 weights or activations: needs FP8 tensor cores
     fp4: bool  # FP4 weights or activations (NVFP4, MXFP4): needs Blackwell's FP4 tensor cores
+    mxfp8: bool  # MXFP8 weights: needs Blackwell's block-scaled FP8 tensor cores (vLLM runs them W8A8-MX there)
     w4a8: bool  # int4 weights with 8-bit activations (W4A8-FP8 or W4A8-INT8): ranked after native 8-bit formats
     w4a8_kind: str | None  # "fp8-dynamic" (vLLM, Hopper), "fp8-static" (TensorRT-LLM W4A8_AWQ, Ada/Hopper), "int8"
     kv8: bool
@@ -48,10 +50,13 @@ class RecipeClass:
             weight_bits=w.num_bits,
             fp8=w.is_fp8 or (a is not None and a.is_fp8),
             fp4=w.is_fp4 or (a is not None and a.is_fp4),
+            mxfp8=w.is_mx and w.num_bits == 8,
             w4a8=w.type == "int" and w.num_bits == 4 and a is not None,
             w4a8_kind=w4a8_kind(recipe),
             kv8=recipe.kv_cache is not None,
-            weight_only=recipe.activations is None,
+            # vLLM's MXFP8 GEMM on Blackwell (the only GPUs MXFP8 is recommended on) quantizes the activations of a
+            # weight-only MXFP8 checkpoint too
+            weight_only=recipe.activations is None and not (w.is_mx and w.num_bits == 8),
             calibrated=next((s for s in recipe.step_names if s in CALIBRATED), None),
             granularity=GRANULARITY.get(w.strategy, 3),
             symmetric=w.symmetric,
@@ -277,6 +282,9 @@ def _why_lower(c: RecipeClass, best: RecipeClass, best_name: str, gpu_label: str
         return f"same memory class as {best_name}, which calibrates ({best.calibrated}) where this rounds to nearest"
     if best.weight_only and not c.weight_only:
         return f"same memory class as {best_name}; quantizing activations too adds accuracy risk for no memory gain"
+    if best.mxfp8 and not c.mxfp8:
+        return (f"same memory class as {best_name}; MXFP8 runs natively on {gpu_label} and scales every 32 weights and "
+                "activations on their own (E8M0), finer than per-channel or 128x128-block FP8")
     if best.granularity < c.granularity:
         return f"same memory class as {best_name}, which has finer weight scales"
     if best.symmetric and not c.symmetric:
@@ -308,6 +316,10 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
         if k.fp4 and not gpu.fp4:
             c.status = "excluded"
             c.reason = f"FP4 needs Blackwell's FP4 tensor cores (B200, RTX 50); {gpu.label} ({gpu.generation}) has none"
+        elif k.mxfp8 and not gpu.mxfp8:
+            c.status = "excluded"
+            c.reason = (f"MXFP8 needs Blackwell's block-scaled FP8 tensor cores (B200, RTX 50); on {gpu.label} "
+                        f"({gpu.generation}) vLLM runs it weight-only (Marlin MXFP8 or dequantized to bf16)")
         elif k.fp8 and not gpu.fp8:
             c.status = "excluded"
             c.reason = (f"FP8 needs FP8 tensor cores (Ada, Hopper, Blackwell, MI300); {gpu.label} ({gpu.generation}) "
@@ -344,13 +356,14 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
     best = ok[0]
     best.status = "chosen"
     k = best.klass
-    wdesc = ("NVFP4" if best.recipe.weights.is_nvfp4 else "MXFP4" if best.recipe.weights.is_mx and k.weight_bits == 4
+    wdesc = ("NVFP4" if best.recipe.weights.is_nvfp4 else f"MXFP{k.weight_bits}" if best.recipe.weights.is_mx
              else f"FP{k.weight_bits}" if best.recipe.weights.type == "float" else f"INT{k.weight_bits}")
     best.reason = (f"{wdesc} weights{' + 8-bit KV cache' if k.kv8 else ''} fit with {_pct(best.memory.headroom_fraction)} "
                    f"headroom ({best.memory.needed / GB:.1f} of {best.memory.budget / GB:.1f} GB per GPU); "
                    + (f"the unquantized model also fits ({_pct(base.headroom_fraction)} headroom)" if base.fits
                       else "the unquantized model does not fit")
-                   + (f"; FP4 runs natively on {gpu.label}'s FP4 tensor cores" if k.fp4 else ""))
+                   + (f"; FP4 runs natively on {gpu.label}'s FP4 tensor cores" if k.fp4 else "")
+                   + (f"; MXFP8 runs natively on {gpu.label}'s block-scaled FP8 tensor cores" if k.mxfp8 else ""))
     for c in ok[1:]:
         c.status = "passed"
         if c.klass.weight_bits < k.weight_bits:

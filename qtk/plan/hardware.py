@@ -4,7 +4,8 @@ Native number formats by generation (what vLLM and TensorRT-LLM run in tensor co
 Ampere / Turing: INT8, INT4 (weight-only kernels); Ada, Hopper: + FP8, incl. 128x128 FP8 blocks (DeepGEMM /
 CUTLASS on Hopper, Triton on Ada); Ada, Hopper: + static W4A8 (TensorRT-LLM's W4A8_AWQ); Hopper: + W4A8-FP8
 (vLLM's CUTLASS, SM90 only); W4A8-INT8: no GPU here (vLLM runs it on CPUs and Intel XPUs); Blackwell: + FP4 (NVFP4 and MXFP4:
-block-scaled FP4 tensor cores). MI300 (CDNA3): FP8, no FP4.
+block-scaled FP4 tensor cores) and MXFP8 (block-scaled FP8: vLLM's FlashInfer CUTLASS MXFP8 GEMM, SM100+; before
+Blackwell vLLM runs MXFP8 weight-only, Marlin or dequantized to bf16). MI300 (CDNA3): FP8, no FP4.
 
 Data, not logic. Memory is the total the driver reports (nvidia-smi / rocm-smi `memory.total`),
 because that is what vLLM multiplies by --gpu-memory-utilization. Throughput figures are dense
@@ -50,6 +51,14 @@ class GPU:
         return self.fp4_tflops is not None
 
     @property
+    def mxfp8(self) -> bool:
+        """MXFP8 (FP8 e4m3 in blocks of 32 under E8M0 scales) runs in Blackwell's block-scaled tensor cores: vLLM's
+        CompressedTensorsW8A8Mxfp8 (the scheme of every mxfp8-quantized checkpoint, with or without
+        input_activations) takes FlashInfer's CUTLASS MXFP8 GEMM at SM100+, quantizing the activations to MXFP8 at run
+        time; on earlier GPUs it runs weight-only (Marlin MXFP8, or an emulation that dequantizes to bf16)."""
+        return self.generation == "Blackwell"
+
+    @property
     def w4a8_fp8(self) -> bool:
         """vLLM's W4A8-FP8 kernel (CUTLASS) is built for SM90 (Hopper) only."""
         return self.generation == "Hopper"
@@ -83,7 +92,7 @@ class GPU:
             "name": self.name, "label": self.label, "mem_bytes": self.mem_bytes,
             "bandwidth_bytes_per_s": self.bandwidth, "bf16_tflops": self.bf16_tflops,
             "int8_tops": self.int8_tops, "fp8_tflops": self.fp8_tflops, "fp8": self.fp8,
-            "fp4_tflops": self.fp4_tflops, "fp4": self.fp4,
+            "fp4_tflops": self.fp4_tflops, "fp4": self.fp4, "mxfp8": self.mxfp8,
             "price_per_hour": self.price_per_hour, "interconnect": self.interconnect,
             "generation": self.generation, "base": self.base,
         }

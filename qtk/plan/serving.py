@@ -35,6 +35,16 @@ def hardware_notes(recipe, gpu) -> list[str]:
         else:
             out.append(f"{kind} needs Blackwell's FP4 tensor cores (B200, RTX 50) to run natively; on {gpu.label} "
                        "vLLM falls back to weight-only FP4 Marlin kernels (activations unquantized) where it runs at all")
+    if w.is_mx and w.num_bits == 8:
+        if gpu.mxfp8:
+            out.append(f"MXFP8 runs natively on {gpu.label} (vLLM: CompressedTensorsW8A8Mxfp8, FlashInfer CUTLASS MXFP8 "
+                       "GEMM), which quantizes the activations to MXFP8 per block of 32 at run time"
+                       + ("" if a is not None else ": a weight-only MXFP8 checkpoint is served as W8A8-MX there "
+                          "(gate it with the mxfp8 recipe's simulation)"))
+        else:
+            out.append(f"MXFP8 needs Blackwell's block-scaled FP8 tensor cores (B200, RTX 50) to run natively; on "
+                       f"{gpu.label} vLLM runs it weight-only (Marlin MXFP8, or dequantized to bf16), activations "
+                       "unquantized")
     if w.strategy == "block":
         out.append("FP8 blocks run in vLLM's block-scaled FP8 kernels (DeepGEMM / CUTLASS on Hopper and Blackwell, "
                    "Triton on Ada); every quantized Linear and each tensor-parallel shard must stay a multiple of 128"

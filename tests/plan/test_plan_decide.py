@@ -262,3 +262,31 @@ def test_w4a8_bytes_follow_the_written_layout():
     w4a16 = weight_bytes(s, load_recipe("w4a16-gptq"))
     assert int8.quantized == 2 * static.quantized == 2 * w4a16.quantized
     assert static.total > w4a16.total  # plus one static input scale per Linear
+
+
+# ---- issue 14: MXFP8, Blackwell only (qtk/plan/hardware.py: mxfp8)
+
+@pytest.mark.parametrize("gpu", ["h100-sxm", "a100-80g", "l4", "b200"])
+def test_mxfp8_runs_natively_on_blackwell_only(gpu):
+    """vLLM's MXFP8 GEMM (FlashInfer CUTLASS) is SM100+; before Blackwell both MXFP8 recipes are excluded, saying vLLM
+    runs them weight-only. On Blackwell the 8-bit tier takes MXFP8 (blocks of 32 are finer than per-channel FP8), and
+    the weight-only recipe is served W8A8-MX, which the serving notes say."""
+    from qtk.plan.serving import hardware_notes
+
+    s = ModelShape.from_config(read_config(CONFIGS / "llama-3.1-70b.json"))
+    g = get_gpu(gpu)
+    d = recommend(s, Deployment(g, context=4096, concurrency=8, tp=2 if gpu != "b200" else 1))
+    by = {c.name: c for c in d.candidates}
+    if gpu != "b200":
+        for name in ("mxfp8", "mxfp8-a16", "mxfp8+kv8"):
+            assert by[name].status == "excluded", (name, by[name].reason)
+            assert "MXFP8 needs Blackwell's block-scaled FP8 tensor cores" in by[name].reason
+            assert "vLLM runs it weight-only" in by[name].reason
+        assert not (d.chosen or "").startswith("mxfp8")
+        assert "vLLM runs it weight-only" in hardware_notes(load_recipe("mxfp8-a16"), g)[0]
+    else:
+        assert d.chosen == "mxfp8", d.reason
+        assert "MXFP8 weights" in d.reason and "MXFP8 runs natively on B200 180GB" in d.reason
+        assert by["fp8-dynamic"].status == "passed" and "scales every 32 weights" in by["fp8-dynamic"].reason
+        assert "served as W8A8-MX" in hardware_notes(load_recipe("mxfp8-a16"), g)[0]
+        assert "served as W8A8-MX" not in hardware_notes(load_recipe("mxfp8"), g)[0]

@@ -101,7 +101,8 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
     Refused, naming the target that runs them: W4A8-FP8 with dynamic per-token activations (TensorRT-LLM's W4A8_AWQ
     takes one static FP8 input scale per tensor: the w4a8-fp8-static recipe), W4A8-INT8 (TensorRT-LLM's int8-activation
     W4A8 is QServe's layout), FP8 blocks (TensorRT-LLM runs FP8_BLOCK_SCALES only in its PyTorch
-    backend, from a Hugging Face checkpoint; ModelOpt's TensorRT-LLM export of its FP8 block config fails too), MX.
+    backend, from a Hugging Face checkpoint; ModelOpt's TensorRT-LLM export of its FP8 block config fails too), MX (TensorRT-LLM's
+    QuantAlgo.MXFP8 is a PyTorch-backend method).
     """
     w, a, steps = scheme.weights, scheme.activations, recipe.step_names
     where = f"recipe {recipe.name}"
@@ -132,6 +133,10 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
         raise UsageError(f"{where}: qtk does not write FP8 block as a TensorRT-LLM checkpoint: TensorRT-LLM runs FP8 "
                          "block scales (FP8_BLOCK_SCALES) only in its PyTorch backend, which loads them from a Hugging "
                          "Face checkpoint (quant_method fp8, as --target hf-fp8 writes)")
+    if new == "MXFP8":  # no fix of our own: the targets that accept the recipe are named by check_targets
+        raise UsageError(f"{where}: qtk does not write MXFP8 as a TensorRT-LLM checkpoint: TensorRT-LLM runs MXFP8 "
+                         "(QuantAlgo.MXFP8, MXFP8 activations taken at run time) in its PyTorch backend's "
+                         "MXFP8LinearMethod, which loads Hugging Face checkpoints")
     if new:  # no fix of our own: the targets that accept the recipe are named by qtk.export.check_targets
         raise UsageError(f"{where}: qtk does not write {new} as a TensorRT-LLM checkpoint")
     if w.is_fp8:
