@@ -7,6 +7,11 @@ examples/tasks.yaml (the same as `qtk convert ... && qtk eval ...` for each reci
 
 The baseline is evaluated once and taken from the cache for every later recipe. The table is rendered from
 docs/eval-table.json, so a run of some recipes replaces their rows and keeps the others (in recipe-name order).
+
+Each recipe is written for vLLM when vLLM runs it, else for the first target whose writer accepts it (the order
+`qtk convert` names them in a refusal: static W4A8-FP8 goes to hf-modelopt), and that output is gated; the row's
+"target" field says which. A recipe no target accepts for the model (FP8 blocks: its 64-row k/v projections do not
+tile) is skipped.
 """
 
 from __future__ import annotations
@@ -57,6 +62,17 @@ def render(records: dict) -> str:
     return "\n".join(lines)
 
 
+def gate_target(recipe) -> str | None:
+    """vllm when its writer accepts the recipe for MODEL, else the first target that does (qtk.export.accepting_targets:
+    vllm first, then by name), or None."""
+    from qtk.export import ExportOptions, accepting_targets
+    from qtk.model.source import ModelSource
+    from qtk.recipe import load_recipe
+
+    ok = accepting_targets(ModelSource(MODEL), load_recipe(recipe), ExportOptions())
+    return ok[0] if ok else None
+
+
 def main(argv: list[str] | None = None) -> int:
     from qtk import api
     from qtk.errors import UsageError
@@ -75,15 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         td = Path(td)
         for r in recipes:
             t0 = time.perf_counter()
+            target = gate_target(r)
             try:
-                res = api.convert(MODEL, r, td / r)
+                res = api.convert(MODEL, r, td / r, targets=(target or "vllm",))
             except UsageError as e:  # e.g. FP8 blocks, which this model's 64-row k/v projections do not tile
                 print(f"skipped {r}: {e}", file=sys.stderr)
                 continue
             conv_s = time.perf_counter() - t0
-            g = run_gate(res.outputs["vllm"], MODEL, TASKS, cache_dir=td / "cache", threads=args.threads)
+            g = run_gate(res.outputs[target], MODEL, TASKS, cache_dir=td / "cache", threads=args.threads)
             a = g.agreement
-            records[r] = {"passed": g.passed, "convert_s": round(conv_s, 2),
+            records[r] = {"passed": g.passed, "convert_s": round(conv_s, 2), "target": target,
                           "tasks": {t.name: {"baseline": t.baseline, "candidate": t.candidate, "diff": t.candidate - t.baseline,
                                              "drop_ci": list(t.drop_ci), "significant": t.significant, "status": t.status}
                                     for t in g.tasks},

@@ -137,3 +137,29 @@ def test_inspect_passes_and_flags_a_split_global_scale(converted, tmp_path):
     rep = check_checkpoint(open_checkpoint(bad))
     failed = [c for c in rep.checks if c.name == name and not c.ok]
     assert failed and "different global scales" in failed[0].detail
+
+
+@pytest.mark.parametrize("recipe", ("mxfp4-a16", "mxfp8"))
+def test_inspect_flags_an_e8m0_nan_scale(converted, recipe, tmp_path):
+    """qtk inspect's E8M0 check covers MXFP4 and MXFP8: it passes on the written output and fails once one scale of
+    one module is code 255 (E8M0's NaN)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qtk.checks import check_checkpoint
+
+    name = "NVFP4 global scales finite and shared in fused groups; E8M0 scales in range"
+    rep = check_checkpoint(open_checkpoint(converted[recipe]))
+    assert any(c.name == name and c.ok for c in rep.checks)
+    bad = tmp_path / "bad"
+    shutil.copytree(converted[recipe], bad)
+    st = next(bad.glob("*.safetensors"))
+    t = load_file(str(st))
+    key = "model.layers.1.mlp.down_proj.weight_scale"
+    assert t[key].dtype == torch.uint8
+    t[key][3, 1] = 255
+    save_file(t, str(st), metadata={"format": "pt"})
+    rep = check_checkpoint(open_checkpoint(bad))
+    failed = [c for c in rep.checks if c.name == name and not c.ok]
+    assert failed and "model.layers.1.mlp.down_proj: 1 E8M0 scales are NaN (code 255)" in failed[0].detail
