@@ -38,7 +38,9 @@ def hf_fp8_scheme(recipe) -> tuple[int, int]:
         raise UsageError(f"{where}: the hf-fp8 target (quant_method fp8) holds FP8 block weights with dynamic per-token-group "
                          f"activations only, not {recipe.summary()}")
     if recipe.kv_cache is not None:
-        raise UsageError(f"{where}: the hf-fp8 format has no KV-cache scales", "use the fp8-block recipe, or --target vllm for FP8 KV")
+        # no fix of its own: the fp8-block recipe (no KV cache) or a target that accepts this one, which
+        # check_targets names from their own checks (vllm may refuse the model's block shapes)
+        raise UsageError(f"{where}: the hf-fp8 format has no KV-cache scales (the fp8-block recipe keeps a 16-bit KV cache)")
     return w.block_structure
 
 
