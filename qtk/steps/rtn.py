@@ -22,14 +22,16 @@ ROW_BLOCK_BYTES = 32 << 20  # float32 bytes of one row block of a weight rounded
 
 def row_block(scheme: QuantScheme, shape) -> int | None:
     """Rows per block when `scheme` rounds every row on its own (per-channel or per-group scales from the min-max
-    observer, on an int or fp8 grid: each scale is a min/max over part of one row, each code an elementwise function
-    of the row and its scale), so a weight's QTensor is its row blocks' QTensors stacked, bit for bit, and can be
-    made (and decoded) a block at a time without whole-weight float32 temporaries; None otherwise (per-tensor
-    scales, the MSE observer, formats with tensor-wide parts) and for weights of one block."""
+    observer, on an int or fp8 grid, and MX's E8M0 groups: each scale is a min/max over part of one row, each code an
+    elementwise function of the row and its scale), so a weight's QTensor is its row blocks' QTensors stacked, bit for
+    bit, and can be made (and decoded) a block at a time without whole-weight float32 temporaries; None otherwise
+    (per-tensor scales, the MSE observer, formats with tensor-wide parts such as NVFP4's global scale, FP8 blocks)
+    and for weights of one block."""
     from qtk.quant.formats.grouped import GroupedFormat
+    from qtk.quant.formats.mx import MXFormat
 
     if (scheme.strategy not in ("channel", "group") or scheme.observer != "minmax"
-            or not isinstance(format_for(scheme), GroupedFormat) or len(shape) != 2):
+            or not isinstance(format_for(scheme), (GroupedFormat, MXFormat)) or len(shape) != 2):
         return None
     rows = max(1, ROW_BLOCK_BYTES // max(1, 4 * int(shape[1])))
     return rows if rows < shape[0] else None
