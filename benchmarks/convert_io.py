@@ -129,9 +129,10 @@ def main():
                     pass
         for recipe, extra in runs:
             label = recipe + (" --no-hash" if "--no-hash" in extra else "")
-            conv, prep, floors, walls, rss, timings = [], [], [], [], [], []
+            conv, prep, floors, walls, rss, timings, loads = [], [], [], [], [], [], []
             for r in range(a.repeats):
                 out = td / "o"
+                loads.append(os.getloadavg()[0])  # the machine's load beside the numbers (a shared machine)
                 wall, peak = run_measured([qtk_exe(), "convert", str(m), "--recipe", recipe, "-o", str(out), "--overwrite", *extra])
                 # the conversion itself, as the manifest times it (process start-up and imports excluded)
                 t = json.loads((out / "vllm" / "qtk.json").read_text())["timings"]
@@ -146,10 +147,11 @@ def main():
             results[label] = {"convert_s": median(conv), "prepare_s": median(prep), "process_wall_s": median(walls),
                               "io_floor_s": median(floors), "ratio": ratio, "ratio_after_prepare": after,
                               "peak_rss_mb": median(rss) / 1e6, "output_mb": dir_bytes(out / "vllm") / 1e6,
+                              "load_avg_1min": max(loads + [os.getloadavg()[0]]), "cpus": os.cpu_count(),
                               "timings": {k: median([x.get(k, 0.0) for x in timings]) for k in timings[0]}}
             print(f"{label:24s} convert {median(conv):6.2f}s (of it prepare {median(prep):.2f}s; process {median(walls):.2f}s "
                   f"incl. imports), read+write once {median(floors):6.2f}s, ratio {ratio:5.2f} ({after:5.2f} after prepare), "
-                  f"peak RSS {median(rss) / 1e6:.0f} MB", flush=True)
+                  f"peak RSS {median(rss) / 1e6:.0f} MB, load {results[label]['load_avg_1min']:.1f}", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"model_mb": size / 1e6, "layers": a.layers, "shape": a.shape or
                                       {"hidden": a.hidden, "intermediate": a.intermediate}, "repeats": a.repeats,

@@ -164,6 +164,17 @@ def expected_quantized(ck, arch, recipe) -> list[str]:
             if not matches(f"{arch.layers}.{i}.{lin}", ignore)]
 
 
+def _finite(t) -> bool:
+    """Whether a tensor (or a StoredTensor, scanned chunk by chunk from disk) holds no NaN/Inf. A sum is non-finite
+    whenever one is present; the exact scan runs only then (no float32 or bool copy of an embedding)."""
+    import torch
+
+    from qtk.io.safetensors import StoredTensor
+
+    chunks = t.chunks() if isinstance(t, StoredTensor) else (t,)
+    return all(bool(torch.isfinite(c.sum())) or bool(torch.isfinite(c).all()) for c in chunks)
+
+
 def _kv_bounds(ck, arch, layer: int, rownorm: dict, dense_stats: dict) -> tuple[float, float] | None:
     """Upper bounds of |K after RoPE| and |V| in layer `layer` from its weights alone (Cauchy-Schwarz): an RMS-normed
     input x has ||x|| <= sqrt(hidden) * max|norm weight|, so |k_r| <= ||W_k row r|| ||x|| + |b_r|, and RoPE rotates
@@ -205,6 +216,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
 
     import torch
 
+    from qtk.io.safetensors import as_tensor
     from qtk.pipeline import relative_error
 
     rep = CheckReport()
@@ -335,7 +347,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
     stats: dict[str, float] = {}  # norm weights' max |effective value|, biases' max |b|, dense k/v row norms
     one_plus = bool(arch is not None and arch.norm_one_plus)
     try:
-        for name, t in ck.iter_dense():
+        for name, t in ck.iter_dense_stored():  # an embedding unread: scanned from disk in chunks
             dense_seen.add(name)
             want = shapes.get(name)
             if want is None:
@@ -347,9 +359,11 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
             if not t.is_floating_point():
                 structure.append(f"{name} is stored as {str(t.dtype).replace('torch.', '')}, not a float tensor")
                 continue
-            # a sum is non-finite whenever a NaN/Inf is present; the exact scan runs only then (no float32 copy of
-            # an embedding: 2 GB on Llama-3-8B)
-            if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
+            values = name.endswith(("norm.weight", ".bias")) or (
+                arch is not None and name.endswith(("k_proj.weight", "v_proj.weight", "qkv_proj.weight")))
+            if values:  # small tensors whose values the bounds need
+                t = as_tensor(t)
+            if not _finite(t):
                 nonfinite.append(name)
                 continue
             if name.endswith("norm.weight"):

@@ -105,6 +105,9 @@ class Writer:
         return ModuleScheme(qt.scheme, self.recipe.scheme_for(module).activations)
 
     def add_dense(self, name: str, tensor) -> None:
+        """A tensor written as it is: a torch.Tensor, or a qtk.io.safetensors.StoredTensor (its bytes in the source
+        file, which ShardedWriter.add copies in chunks; a writer that reshapes or converts it reads it whole with
+        qtk.io.safetensors.as_tensor)."""
         raise NotImplementedError
 
     def add_layer(self, result) -> None:

@@ -163,6 +163,19 @@ class Checkpoint:
         for n in self.dense_names():
             yield n, self.dense_tensor(n)
 
+    def iter_dense_stored(self):
+        """iter_dense, where each tensor stored as it is in one file comes unread (a qtk.io.safetensors.StoredTensor,
+        to scan in bounded chunks): checking an embedding never holds it whole. A reader that assembles dense tensors
+        (its own iter_dense or dense_tensor) yields them read."""
+        if type(self).iter_dense is not Checkpoint.iter_dense or type(self).dense_tensor is not Checkpoint.dense_tensor:
+            yield from self.iter_dense()
+            return
+        for n in self.dense_names():
+            f = self._index().get(n)
+            if f is None:
+                raise self._broken(f"tensor {n} is missing")
+            yield n, self._open(f).stored(n)
+
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.iter_dense())
 

@@ -1,6 +1,8 @@
 """Safetensors on disk. Writing streams: tensor bytes go to disk as they arrive, so a writer holds no more than
 one tensor in memory whatever the shard size (ShardedWriter), or one small file is written and hashed (save_file).
-Reading uses positioned reads, never mmap, and treats every header as untrusted input (SafetensorsFile).
+Reading uses positioned reads, never mmap, and treats every header as untrusted input (SafetensorsFile). A tensor
+that passes through unchanged (an embedding, lm_head, a norm) is copied from its source file to a shard in bounded
+chunks (StoredTensor: its bytes on disk, read COPY_CHUNK at a time), never held whole.
 
 The header is written last into space reserved at the front of each shard; safetensors allows the
 JSON header to be padded with spaces, so the reserved space never needs an extra copy of the data.
@@ -27,6 +29,59 @@ HEADER_BYTES_PER_TENSOR = 192  # generous: name + dtype + shape + offsets in JSO
 MAX_HEADER_RESERVE = 32 * 2**20
 SAFETENSORS_MAX_HEADER = 100_000_000
 DEFAULT_MAX_SHARD = 5 * 10**9
+COPY_CHUNK = 64 * 2**20  # bytes per positioned read when a stored tensor is copied or scanned in chunks
+
+
+class StoredTensor:
+    """A tensor's bytes in a safetensors file, not read: dtype and shape from the header, the data in chunks of at
+    most COPY_CHUNK bytes (each a 1-D tensor of the dtype, in one buffer reused from chunk to chunk), so the bytes can
+    be copied to a shard or scanned without the tensor ever being whole in memory. `check(chunk)` (optional) sees
+    every chunk read, and the whole tensor when one is read whole (`read`). Quacks like a tensor for what the writers
+    ask of it: shape, dtype, numel, element_size, is_floating_point."""
+
+    def __init__(self, file: "SafetensorsFile", name: str, check=None):
+        self.file, self.name, self.check = file, name, check
+        e = file.entries[name]
+        self.dtype = ST_TO_TORCH[e["dtype"]]
+        self.shape = torch.Size(e["shape"])
+        self._start, end = e["data_offsets"]
+        self.nbytes = end - self._start
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def chunks(self, max_bytes: int | None = None):
+        """The data in order, as 1-D tensors of whole elements, at most max_bytes (COPY_CHUNK) each. Each chunk is
+        valid until the next is asked for (one buffer)."""
+        es = self.element_size()
+        step = max(es, (max_bytes or COPY_CHUNK) // es * es)
+        buf = bytearray(min(step, self.nbytes))
+        for off in range(0, self.nbytes, step):
+            n = min(step, self.nbytes - off)
+            view = memoryview(buf)[:n]
+            self.file.read_into(view, self._start + off, self.name)
+            chunk = torch.frombuffer(view, dtype=torch.uint8).view(self.dtype)
+            if self.check is not None:
+                self.check(chunk)
+            yield chunk
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor (for a writer that reshapes or converts it)."""
+        t = self.file.get_tensor(self.name)
+        if self.check is not None:
+            self.check(t)
+        return t
+
+
+def as_tensor(t) -> torch.Tensor:
+    """A tensor, reading a StoredTensor whole."""
+    return t.read() if isinstance(t, StoredTensor) else t
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes | memoryview:
@@ -51,19 +106,22 @@ class _Shard:
     def _entry_len(name: str, entry: dict) -> int:
         return len(json.dumps({name: entry}, separators=(",", ":"))) - 1  # minus braces, plus a comma
 
-    def header_size_with(self, name: str, t: torch.Tensor) -> int:
+    def header_size_with(self, name: str, t: torch.Tensor | StoredTensor) -> int:
         n = t.numel() * t.element_size()
         entry = {"dtype": "F8_E4M3", "shape": list(t.shape), "data_offsets": [self.size, self.size + n]}
         return self.header_len + self._entry_len(name, entry)
 
-    def add(self, name: str, t: torch.Tensor) -> None:
+    def add(self, name: str, t: torch.Tensor | StoredTensor) -> None:
         if t.dtype not in ST_DTYPES:
             raise TypeError(f"safetensors cannot store dtype {t.dtype} ({name})")
-        data = tensor_bytes(t)
         n = t.numel() * t.element_size()
+        if isinstance(t, StoredTensor):  # its bytes as stored, copied chunk by chunk
+            for chunk in t.chunks():
+                self.f.write(chunk.view(torch.uint8).numpy().data)
+        else:
+            self.f.write(tensor_bytes(t))
         self.entries[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [self.size, self.size + n]}
         self.header_len += self._entry_len(name, self.entries[name])
-        self.f.write(data)
         self.size += n
 
     def close(self) -> None:
@@ -98,7 +156,8 @@ class ShardedWriter:
         self.shards.append(s)
         return s
 
-    def add(self, name: str, t: torch.Tensor) -> None:
+    def add(self, name: str, t: torch.Tensor | StoredTensor) -> None:
+        """Append one tensor; a StoredTensor is copied from its file in chunks (the same bytes as its tensor's)."""
         cur = self.shards[-1] if self.shards else self._new_shard()
         n = t.numel() * t.element_size()
         too_big = cur.entries and cur.size + n > self.max_shard
@@ -201,16 +260,24 @@ class SafetensorsFile:
     def dtype(self, name: str) -> torch.dtype:
         return ST_TO_TORCH[self.entries[name]["dtype"]]
 
+    def read_into(self, view: memoryview, offset: int, name: str) -> None:
+        """Fill `view` with the data section's bytes from `offset` on (positioned reads; `name` for the error)."""
+        off = 0
+        while off < len(view):
+            got = os.preadv(self._fd, [view[off:]], self.data_start + offset + off)
+            if got <= 0:
+                raise ValueError(f"short read for {name}")
+            off += got
+
+    def stored(self, name: str, check=None) -> StoredTensor:
+        """`name` unread: its bytes, to copy or scan in chunks."""
+        return StoredTensor(self, name, check)
+
     def get_tensor(self, name: str) -> torch.Tensor:
         e = self.entries[name]
         start, end = e["data_offsets"]
         buf = bytearray(end - start)
-        view, off = memoryview(buf), 0
-        while off < len(buf):
-            got = os.preadv(self._fd, [view[off:]], self.data_start + start + off)
-            if got <= 0:
-                raise ValueError(f"short read for {name}")
-            off += got
+        self.read_into(memoryview(buf), start, name)
         dtype = ST_TO_TORCH[e["dtype"]]
         if not buf:
             return torch.empty(e["shape"], dtype=dtype)

@@ -205,6 +205,20 @@ class ModelSource:
         except Exception as e:
             raise UsageError(f"cannot read tensor {name} from {p.name} ({e})", "the shard is truncated or corrupt: re-download it") from None
 
+    def stored(self, name: str, check=None):
+        """`name` unread, to copy or scan in bounded chunks (qtk.io.safetensors.StoredTensor; `check` sees each
+        chunk); a pickle checkpoint's tensor (already in memory) is returned as it is, `check`ed whole."""
+        p = self.weight_map.get(name)
+        if p is None:
+            raise UsageError(f"tensor {name} is missing from {self.path.name}", "the checkpoint is incomplete: re-download it")
+        h = self._open(p)
+        if isinstance(h, dict):
+            t = self.tensor(name)
+            if check is not None:
+                check(t)
+            return t
+        return h.stored(name, check)
+
     @property
     def files(self) -> list[Path]:
         """Every file that defines the model: config, tokenizer, generation config, weights."""

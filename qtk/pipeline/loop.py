@@ -32,6 +32,34 @@ def relative_error(w: torch.Tensor, ref: torch.Tensor) -> float:
     return float((w.float() - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Refuse a float tensor holding NaN/Inf. A sum is non-finite whenever one is present; the exact scan (a bool
+    copy) runs only then."""
+    if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
+        raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
+
+
+def write_non_layer(source, sinks: list) -> None:
+    """The tensors outside the decoder layers (embeddings, final norm, lm_head) to every sink, which writes them as
+    they are. One stored in the model dtype (or not a float) goes as its bytes on disk (a StoredTensor): each sink
+    copies it in bounded chunks, every chunk checked for NaN/Inf as it is read, so the 1 GB embedding of Llama-3-8B is
+    never whole in memory. One in another dtype is read whole, checked and converted."""
+    from functools import partial
+
+    for name in source.non_layer_tensor_names():
+        check = partial(check_finite, name)
+        dtype = source.tensor_dtype(name)
+        if dtype == source.dtype or not dtype.is_floating_point:
+            t = source.stored(name, check)
+        else:
+            t = source.tensor(name)
+            check(t)
+            t = t.to(source.dtype)
+        for s in sinks:
+            s.add_dense(name, t)
+        del t
+
+
 def replay_layers(resume, start: int, n: int, sinks, stats: PipelineStats, on_layer) -> None:
     """Feed the resume state's first `start` finished layers to fresh writers, as if they had just been computed."""
     for i in range(start):
@@ -197,14 +225,8 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     skeleton = source.skeleton()
     if calib_ids is not None:
         use_qtk_attention(skeleton)
-    for name in source.non_layer_tensor_names():
-        if not sinks:  # a process that writes nothing need not read them
-            break
-        t = source.tensor(name)
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
-        for s in sinks:
-            s.add_dense(name, t.to(source.dtype) if t.is_floating_point() else t)
+    if sinks:  # a process that writes nothing need not read them
+        write_non_layer(source, sinks)
     batches, layer_kwargs = (capture_layer_inputs(source, skeleton, calib_ids, batch_size, device)
                              if calib_ids is not None else (None, None))
     stats.timings["capture"] = time.perf_counter() - t0

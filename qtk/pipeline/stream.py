@@ -7,7 +7,9 @@ same tensors in the same dtypes and order (the meta skeleton's, which `qtk conve
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -15,7 +17,9 @@ import torch
 from qtk.errors import UsageError
 from qtk.model.simulate import engine_weight
 from qtk.pipeline.device import compute_dtype, resolve_device
-from qtk.pipeline.loop import WriteBehind, background, relative_error, replay_layers, runnable_steps
+from qtk.pipeline.memory import map_large_allocations, release_freed_memory
+from qtk.pipeline.loop import (WriteBehind, background, check_finite, replay_layers, runnable_steps,
+                               write_non_layer)
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.pipeline.targets import check_group_size, target_linears
 from qtk.recipe import Recipe
@@ -31,20 +35,37 @@ def streams(recipe: Recipe, calib_ids) -> bool:
     return not any(step.needs_data for step, _ in plan) and [step.name for step, _ in runnable_steps(plan, None)] == ["rtn"]
 
 
-def _finite(name: str, t: torch.Tensor) -> None:
-    # a sum is non-finite whenever a NaN/Inf is present; the exact scan runs only then
-    if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
-        raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
-
-
 class _LayerReader:
-    """Layer i+1's tensors read (and moved to the device, in the compute dtype) in a background thread."""
+    """Layer i+1's tensors read (and moved to the device, in the compute dtype) in a background thread, at most
+    `budget` bytes of read tensors alive at a time (layer i's not yet rounded and freed, and layer i+1's read ahead):
+    each tensor's bytes are counted while it lives (weakref.finalize), so the read ahead fills what layer i frees
+    as its weights are rounded, never a second whole layer. The layer the loop waits for is read without the bound."""
 
-    def __init__(self, source, skeleton, device, enabled: bool):
+    def __init__(self, source, skeleton, device, enabled: bool, budget: int | None = None):
         self.source, self.device, self.dtype = source, device, compute_dtype(source)
         self.layers = skeleton.get_submodule(source.arch.layers)
         self.enabled = enabled
         self.ahead = None
+        self.size = torch.empty((), dtype=self.dtype).element_size()
+        self.budget = budget if budget is not None else max(self._bytes(i) for i in range(len(self.layers)))
+        self.cond = threading.Condition(threading.RLock())  # a finalizer may run in the thread that holds it
+        self.held = 0  # bytes of read tensors still alive
+        self.wanted = -1  # the layer the loop waits for
+        self.peak_held = 0
+
+    def _bytes(self, i: int) -> int:
+        return sum(v.numel() * self.size for v in self.layers[i].state_dict(keep_vars=True).values() if v.is_meta)
+
+    def _release(self, n: int) -> None:
+        with self.cond:
+            self.held -= n
+            self.cond.notify_all()
+
+    def _room(self, i: int, n: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.held == 0 or self.held + n <= self.budget or self.wanted >= i)
+            self.held += n
+            self.peak_held = max(self.peak_held, self.held)
 
     def _read(self, i: int) -> dict[str, torch.Tensor]:
         """name (relative) -> tensor, in the layer module's state_dict order, as ModelSource.load_module loads it."""
@@ -52,15 +73,25 @@ class _LayerReader:
         out = {}
         for k, v in self.layers[i].state_dict(keep_vars=True).items():
             if v.is_meta:  # a parameter: from the checkpoint
-                t = self.source.tensor(prefix + k)
-                t = t.to(self.dtype) if self.device.type == "cpu" else t.to(device=self.device, dtype=self.dtype)
-                _finite(prefix + k, t)
+                n = v.numel() * self.size
+                self._room(i, n)
+                try:
+                    t = self.source.tensor(prefix + k)
+                    t = t.to(self.dtype) if self.device.type == "cpu" else t.to(device=self.device, dtype=self.dtype)
+                    check_finite(prefix + k, t)
+                except BaseException:
+                    self._release(n)
+                    raise
+                weakref.finalize(t, self._release, n)
                 out[k] = t
             else:  # a persistent buffer the skeleton computed
                 out[k] = v.detach().to(self.device)
         return out
 
     def get(self, i: int, n: int) -> dict[str, torch.Tensor]:
+        with self.cond:
+            self.wanted = i
+            self.cond.notify_all()
         tensors = self.ahead[1].result() if self.ahead is not None and self.ahead[0] == i else self._read(i)
         self.ahead = None
         if self.enabled and i + 1 < n:
@@ -68,7 +99,10 @@ class _LayerReader:
         return tensors
 
     def close(self) -> None:
-        self.ahead = None  # a read in flight after a failure is abandoned (a daemon thread)
+        self.ahead = None  # a read in flight after a failure is abandoned (a daemon thread), never left waiting
+        with self.cond:
+            self.wanted = 1 << 62
+            self.cond.notify_all()
 
 
 def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str],
@@ -82,7 +116,7 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
     arch, dtype, prefix = source.arch, source.dtype, source.layer_prefix(i)
     # model-dtype weights: rtn_weights makes each one's float32 copy where it rounds it, one at a time, and hands
     # it to `measure` with its QTensor while it is alive: one dequantization gives the error and the self-check's figures
-    weights = {t: tensors[t + ".weight"] for t in targets}
+    weights = {t: tensors.pop(t + ".weight") for t in targets}
     schemes = {t: recipe.scheme_for(prefix + t).weights for t in targets}
     errors = {}
     host = torch.device("cpu")
@@ -90,16 +124,34 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
     def measure(t: str, w32: torch.Tensor, qt) -> None:
         if not torch.isfinite(qt.scale).all():
             raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
-        w_hat = engine_weight(qt)
-        errors[prefix + t] = relative_error(w_hat, w32)
-        if measured is not None:  # max |w| from one min/max pass (NaN in both when present), no |w| copy
-            lo, hi = torch.aminmax(w_hat) if w_hat.numel() else (torch.zeros(()), torch.zeros(()))
+        # relative_error(engine_weight(qt), w32), and max |w| from min/max passes (NaN in both when present), with one
+        # float32 buffer beside w32: the difference made in place, or, for a weight rounded row by row (rtn.row_block),
+        # decoded a row block at a time into it. The same values, so the same figures.
+        rows = rtn.row_block(qt.scheme, qt.shape)
+        if rows is None:
+            diff = engine_weight(qt)
+            if diff.data_ptr() in (w32.data_ptr(), qt.values.data_ptr()):
+                diff = diff.clone()
+            lo, hi = torch.aminmax(diff) if diff.numel() else (torch.zeros(()), torch.zeros(()))
+            diff.sub_(w32)
+        else:
+            diff, lo, hi = torch.empty_like(w32), None, None
+            for r in range(0, w32.shape[0], rows):
+                block = engine_weight(rtn.row_slice(qt, r, r + rows))
+                blo, bhi = torch.aminmax(block)
+                lo, hi = (blo, bhi) if lo is None else (torch.minimum(lo, blo), torch.maximum(hi, bhi))
+                torch.sub(block, w32[r:r + rows], out=diff[r:r + rows])
+                del block
+        errors[prefix + t] = float(diff.norm() / w32.norm().clamp_min(1e-12))
+        del diff
+        if measured is not None:
             measured[prefix + t] = Measured(qtensor_digest(qt.to(host)), errors[prefix + t], max(-float(lo), float(hi)))
 
-    qweights = rtn.rtn_weights(weights, schemes, arch, dtype, measure)
+    # each source weight leaves `tensors` here and `weights` when rounded (consume): freed then, so the layer's
+    # model-dtype bytes shrink as it is rounded and the read ahead of the next layer fills the room
+    qweights = rtn.rtn_weights(weights, schemes, arch, dtype, measure, consume=True)
     errors = {prefix + t: errors[prefix + t] for t in qweights}  # in the QTensors' order, as before
-    quantized = {t + ".weight" for t in targets}
-    dense = {prefix + k: v.detach().to(dtype).to(host) for k, v in tensors.items() if k not in quantized}
+    dense = {prefix + k: v.detach().to(dtype).to(host) for k, v in tensors.items()}
     return LayerResult(index=i, qweights={prefix + t: q.to(host) for t, q in qweights.items()}, dense=dense,
                        input_amax={}, k_amax=None, v_amax=None, weight_error=errors, records={},
                        dense_linears=tuple(prefix + m for m in (*arch.linears, *arch.dense_linears) if m not in targets))
@@ -109,16 +161,12 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
                   resume=None, device=None, overlap: bool = True) -> PipelineStats:
     """qtk.pipeline.run for a recipe `streams` accepts (same arguments, no calibration), without modules."""
     device = resolve_device(device)
+    map_large_allocations()  # a float32 copy freed after each weight goes back to the OS, not to a growing heap
     stats = PipelineStats()
     check_group_size(source, recipe)
     t0 = time.perf_counter()
     skeleton = source.skeleton()  # built and checked before any work already: its layer modules give names and order
-    for name in source.non_layer_tensor_names():
-        t = source.tensor(name)
-        _finite(name, t)  # no bool copy of an embedding (0.5 GB on Llama-3-8B) unless its sum is not finite
-        for s in sinks:
-            s.add_dense(name, t.to(source.dtype) if t.is_floating_point() else t)
-        del t
+    write_non_layer(source, sinks)  # copied from the source shards in bounded chunks, none held whole
     stats.timings["capture"] = time.perf_counter() - t0
     n = source.num_layers
     start = min(resume.completed, n) if resume is not None else 0
@@ -134,6 +182,7 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
                 writer.put(result, None)
                 done = LayerDone.of(result)
                 del result
+                release_freed_memory()
                 if on_layer:
                     on_layer(i + 1, n, done)
     finally:

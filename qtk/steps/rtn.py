@@ -17,17 +17,63 @@ from qtk.steps.context import LayerContext
 from qtk.steps.registry import register_step
 
 
+ROW_BLOCK_BYTES = 32 << 20  # float32 bytes of one row block of a weight rounded a block at a time
+
+
+def row_block(scheme: QuantScheme, shape) -> int | None:
+    """Rows per block when `scheme` rounds every row on its own (per-channel or per-group scales from the min-max
+    observer, on an int or fp8 grid, and MX's E8M0 groups: each scale is a min/max over part of one row, each code an
+    elementwise function of the row and its scale), so a weight's QTensor is its row blocks' QTensors stacked, bit for
+    bit, and can be made (and decoded) a block at a time without whole-weight float32 temporaries; None otherwise
+    (per-tensor scales, the MSE observer, formats with tensor-wide parts such as NVFP4's global scale, FP8 blocks)
+    and for weights of one block."""
+    from qtk.quant.formats.grouped import GroupedFormat
+    from qtk.quant.formats.mx import MXFormat
+
+    if (scheme.strategy not in ("channel", "group") or scheme.observer != "minmax"
+            or not isinstance(format_for(scheme), (GroupedFormat, MXFormat)) or len(shape) != 2):
+        return None
+    rows = max(1, ROW_BLOCK_BYTES // max(1, 4 * int(shape[1])))
+    return rows if rows < shape[0] else None
+
+
+def quantize_rows(w32: torch.Tensor, scheme: QuantScheme, dtype, rows: int) -> QTensor:
+    """QTensor.quantize(w32, scheme, dtype), `rows` rows at a time (for a scheme row_block accepts): the same tensors."""
+    values = torch.empty(w32.shape, dtype=format_for(scheme).storage_dtype(scheme), device=w32.device)
+    scales, zeros = [], []
+    for r in range(0, w32.shape[0], rows):
+        qt = QTensor.quantize(w32[r:r + rows], scheme, dtype)
+        values[r:r + rows] = qt.values
+        scales.append(qt.scale)
+        zeros.append(qt.zero_point)
+        del qt
+    return QTensor(values, torch.cat(scales), scheme, None if zeros[0] is None else torch.cat(zeros), None, dtype, {})
+
+
+def row_slice(qt: QTensor, r0: int, r1: int) -> QTensor:
+    """Rows r0:r1 of a QTensor whose scheme row_block accepts (its scale and zero point are per row)."""
+    from dataclasses import replace
+
+    return replace(qt, values=qt.values[r0:r1], scale=qt.scale[r0:r1],
+                   zero_point=None if qt.zero_point is None else qt.zero_point[r0:r1])
+
+
 def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme], arch, dtype,
-                measure: Callable[[str, torch.Tensor, QTensor], None] | None = None) -> dict[str, QTensor]:
+                measure: Callable[[str, torch.Tensor, QTensor], None] | None = None,
+                consume: bool = False) -> dict[str, QTensor]:
     """QTensors of `weights` (relative name -> [out, in]) with their weight schemes (relative name -> scheme; the
     members of a fusion group share theirs); a per-tensor scale is taken over the whole fusion group. Each weight
     is rounded from its float32 copy, made where it is used, so a caller may pass model-dtype weights and hold one
     float32 copy at a time (the data-free stream), not one per Linear of the layer. measure(name, w32, qt), when
-    given, is called with each float32 copy and its QTensor while the copy is alive (the stream's error)."""
+    given, is called with each float32 copy and its QTensor while the copy is alive (the stream's error).
+    consume: each weight is removed from `weights` once its QTensor is made, so a caller that holds it nowhere else
+    frees it then (the stream: a layer's source weights go one by one, not at the end of the layer)."""
     out: dict[str, QTensor] = {}
 
     def done(m: str, w32: torch.Tensor, qt: QTensor) -> None:
         out[m] = qt
+        if consume:
+            del weights[m]
         if measure is not None:
             measure(m, w32, qt)
 
@@ -51,11 +97,13 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
                 w32 = weights[m].float()
                 done(m, w32, QTensor.of(fmt.quantize(w32, qp, scheme, model_dtype=dtype), qp, scheme, dtype))
                 del w32  # before the next copy is made
-    for name, w in weights.items():
+    for name in list(weights):  # names only: no reference to a weight beyond its own turn
         if name not in out:
-            w32 = w.float()
-            done(name, w32, QTensor.quantize(w32, schemes[name], dtype))
-            del w32
+            w32 = weights[name].float()
+            rows = row_block(schemes[name], w32.shape)  # large per-row weights: no whole-weight temporaries
+            qt = QTensor.quantize(w32, schemes[name], dtype) if rows is None else quantize_rows(w32, schemes[name], dtype, rows)
+            done(name, w32, qt)
+            del w32, qt
     return out
 
 

@@ -15,7 +15,7 @@ class Keep:
         self.dense, self.layers = {}, []
 
     def add_dense(self, name, t):
-        self.dense[name] = t
+        self.dense[name] = (t.read() if hasattr(t, "read") else t).clone()  # a passthrough tensor may come unread
 
     def add_layer(self, r):
         self.layers.append(r)
@@ -77,9 +77,9 @@ def test_stream_holds_one_float32_copy_at_a_time_and_measures_for_the_self_check
     model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
     seen, rtn_weights = [], rtn.rtn_weights
 
-    def spy(weights, *a):
+    def spy(weights, *a, **k):
         seen.extend(w.dtype for w in weights.values())
-        return rtn_weights(weights, *a)
+        return rtn_weights(weights, *a, **k)
 
     monkeypatch.setattr(rtn, "rtn_weights", spy)
     b = Keep()
@@ -91,3 +91,176 @@ def test_stream_holds_one_float32_copy_at_a_time_and_measures_for_the_self_check
         m = stats.measured[k]
         assert m.error == stats.weight_error[k] and m.digest == qtensor_digest(q)
         assert m.amax == float(engine_weight(q).abs().max())
+
+
+def _reads(monkeypatch):
+    """Every read the io layer is asked for: (tensor name, bytes) per positioned read, and the names read whole."""
+    from qtk.io.safetensors import SafetensorsFile
+
+    reads, whole = [], []
+    read_into, get_tensor = getattr(SafetensorsFile, "read_into", None), SafetensorsFile.get_tensor
+    if read_into is not None:
+        monkeypatch.setattr(SafetensorsFile, "read_into", lambda self, view, off, name: (reads.append((name, len(view))),
+                                                                                          read_into(self, view, off, name))[1])
+    monkeypatch.setattr(SafetensorsFile, "get_tensor", lambda self, name: (whole.append(name), get_tensor(self, name))[1])
+    return reads, whole
+
+
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "w4a16"])
+def test_passthrough_tensors_are_copied_in_bounded_chunks_and_byte_identical(recipe, tmp_path, monkeypatch):
+    """The embedding, lm_head (ignored) and final norm pass through unquantized: the stream copies them from the source
+    shard to the output COPY_CHUNK bytes at a time (the write and the self-check's NaN/Inf scan), never reading one
+    whole, and the output is the same bytes as with one chunk per tensor, each passthrough tensor the source's bytes."""
+    import qtk.io.safetensors as st
+    from safetensors.torch import load_file
+
+    from qtk.api import convert
+
+    model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
+    src = ModelSource(model)
+    passthrough = {n: src.tensor(n) for n in src.non_layer_tensor_names()}
+    assert set(passthrough) == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    convert(model, recipe, tmp_path / "whole")  # one chunk per tensor (COPY_CHUNK is 64 MiB)
+    monkeypatch.setattr(st, "COPY_CHUNK", 3000, raising=False)  # not a row, not a power of two
+    reads, whole = _reads(monkeypatch)
+    convert(model, recipe, tmp_path / "chunked")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # the norm's values are read whole by the check
+        t, sizes = passthrough[name], [n for r, n in reads if r == name]
+        assert name not in whole and sizes and max(sizes) <= 3000, (name, whole, sizes)
+        # read twice, all of it: once copied to the output, once scanned by the self-check from the output's bytes
+        assert sum(sizes) == 2 * t.numel() * t.element_size() and len(sizes) >= 2 * (t.numel() * 2 // 3000), name
+    a, b = tmp_path / "whole" / "vllm", tmp_path / "chunked" / "vllm"
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    out = load_file(str(b / "model.safetensors"))
+    for name, t in passthrough.items():
+        assert out[name].dtype == t.dtype and torch_equal(out[name], t)
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_a_nan_in_a_passthrough_tensors_last_chunk_is_refused(name, tmp_path, monkeypatch):
+    """The NaN/Inf check of a tensor copied in chunks sees every chunk: an Inf in the last one is refused, by name."""
+    import qtk.io.safetensors as st
+    from safetensors.torch import load_file, save_file
+
+    from qtk.api import convert
+    from qtk.errors import UsageError
+
+    model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
+    sd = load_file(str(model / "model.safetensors"))
+    sd[name].view(-1)[-1] = float("inf")
+    save_file(sd, str(model / "model.safetensors"), metadata={"format": "pt"})
+    monkeypatch.setattr(st, "COPY_CHUNK", 3000, raising=False)
+    with pytest.raises(UsageError, match=f"tensor {name} contains NaN or Inf"):
+        convert(model, "fp8-dynamic", tmp_path / "o")
+    assert not (tmp_path / "o" / "vllm").exists()
+
+
+def test_the_self_check_scans_a_written_embedding_in_chunks_from_disk(tmp_path, monkeypatch):
+    """qtk.checks judges dense tensors from the bytes on disk, chunk by chunk: a NaN written into the last chunk of
+    the output's lm_head is found, and the embedding is never read whole."""
+    import json
+    import struct
+
+    import torch
+
+    import qtk.io.safetensors as st
+    from qtk.api import convert
+    from qtk.checks import check_checkpoint
+    from qtk.export import open_checkpoint
+
+    model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
+    convert(model, "w8a16", tmp_path / "o")
+    path = tmp_path / "o" / "vllm" / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    start, end = json.loads(raw[8:8 + n])["lm_head.weight"]["data_offsets"]
+    raw[8 + n + end - 2: 8 + n + end] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    path.write_bytes(bytes(raw))
+    monkeypatch.setattr(st, "COPY_CHUNK", 3000, raising=False)
+    reads, whole = _reads(monkeypatch)
+    rep = check_checkpoint(open_checkpoint(tmp_path / "o" / "vllm"))
+    assert not rep.ok and "lm_head.weight has NaN/Inf" in str(rep.failures())
+    assert not {"model.embed_tokens.weight", "lm_head.weight"} & set(whole)
+    assert max([n for r, n in reads if r == "model.embed_tokens.weight"] or [None]) <= 3000
+
+
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "w8a16", "w4a16", "mxfp4-a16"])
+def test_row_blocks_round_and_measure_as_the_whole_weight(recipe, tmp_path, monkeypatch):
+    """A per-channel / per-group weight rounded a row block at a time (rtn.quantize_rows: no whole-weight float32
+    temporaries) is the whole weight's QTensor bit for bit, and the stream's error, max |w| and digest decoded block by
+    block are the whole weight's figures exactly."""
+    import torch
+
+    from qtk.quant.qtensor import QTensor, qtensor_digest
+    from qtk.steps import rtn
+
+    r = load_recipe(recipe)
+    scheme = r.scheme_for("model.layers.0.mlp.down_proj").weights
+    w32 = (torch.randn(37, 256, generator=torch.Generator().manual_seed(1)) * 0.05).to(torch.bfloat16).float()
+    whole, blocked = QTensor.quantize(w32, scheme, torch.bfloat16), rtn.quantize_rows(w32, scheme, torch.bfloat16, 5)
+    assert torch.equal(whole.values, blocked.values) and torch.equal(whole.scale, blocked.scale)
+    assert (whole.zero_point is None) == (blocked.zero_point is None) and qtensor_digest(whole) == qtensor_digest(blocked)
+
+    model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
+    assert rtn.row_block(scheme, (256, 128)) is None  # a tiny model's weights are one block: rounded whole
+    a = run_data_free(ModelSource(model), r, [Keep()])
+    monkeypatch.setattr(rtn, "ROW_BLOCK_BYTES", 3 * 4 * 256)  # 3 rows of the widest input (down_proj), 6 of the others
+    assert rtn.row_block(scheme, (256, 128)) == 6
+    kb = Keep()
+    b = run_data_free(ModelSource(model), r, [kb])
+    assert a.weight_error == b.weight_error and a.measured == b.measured
+    monkeypatch.setattr(rtn, "ROW_BLOCK_BYTES", 1 << 40)
+    ka = Keep()
+    run(ModelSource(model), r, None, [ka])  # the module loop, rounding whole
+    for x, y in zip(ka.layers, kb.layers):
+        for k, q in x.qweights.items():
+            assert qtensor_digest(q) == qtensor_digest(y.qweights[k]), k
+
+
+def test_packing_in_row_blocks_gives_the_same_words():
+    """pack_ct packs a tall weight a row block at a time (int64 temporaries of one block): the words of the whole."""
+    import torch
+
+    from qtk.quant.pack import offset, pack_ct, pack_words
+
+    for bits in (4, 8):
+        q = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (2 ** 23 // 512 + 37, 512), dtype=torch.int8)
+        assert torch.equal(pack_ct(q, bits), pack_words(q.to(torch.int64) + offset(bits), bits))
+
+
+def test_the_stream_holds_at_most_one_layer_of_source_tensors(tmp_path, monkeypatch):
+    """Each source weight is freed once rounded and the read-ahead only fills the room that frees: the bytes of the
+    source tensors alive at once (counted when read, uncounted when freed) never exceed one layer's, although the
+    next layer is read ahead (the old stream held the layer being rounded whole and the next one: two layers)."""
+    import threading
+    import weakref
+
+    model = make_tiny_model(tmp_path / "m", layers=3, hidden=128, intermediate=256)
+    src = ModelSource(model)
+    layer_bytes = sum(src.shape(n)[0] * (src.shape(n)[1] if len(src.shape(n)) > 1 else 1) * 2
+                      for n in src.layer_tensor_names(0))
+    lock, live, peak = threading.Lock(), [0], [0]
+    tensor = ModelSource.tensor
+
+    def counted(self, name):
+        t = tensor(self, name)
+        n = t.numel() * t.element_size()
+        with lock:
+            live[0] += n
+            peak[0] = max(peak[0], live[0])
+
+        def free():
+            with lock:
+                live[0] -= n
+        weakref.finalize(t, free)
+        return t
+
+    monkeypatch.setattr(ModelSource, "tensor", counted)
+    run_data_free(src, load_recipe("w8a16"), [Keep()])
+    assert 0 < peak[0] <= layer_bytes, (peak[0], layer_bytes)

@@ -16,7 +16,7 @@ from qtk.export.base import Writer
 from qtk.export.codecs.trtllm import INT8_MAX, PLAIN_ALGOS, Part, encode, w4a8_weight_amax
 from qtk.export.trtllm.algo import TRTQuant, trtllm_quant
 from qtk.export.trtllm.sharding import COLUMN, QKV, ROW, TRTModule, check_geometry, pad_vocab, shard_module
-from qtk.io.safetensors import ShardedWriter
+from qtk.io.safetensors import ShardedWriter, as_tensor
 from qtk.model.arch import DOWN, FAMILIES, GATE, K, O, Q, TRTLLM_MODEL_TYPES, UP, V, Geometry
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import FP8_MAX
@@ -98,6 +98,8 @@ class TRTLLMWriter(Writer):
 
     def add_dense(self, name: str, tensor: torch.Tensor) -> None:
         a, last = self.arch, self.pp - 1
+        if name in (f"{a.embed}.weight", f"{a.lm_head}.weight"):  # padded and split across ranks: read whole
+            tensor = as_tensor(tensor)
         if name == f"{a.embed}.weight":
             self._add_vocab("transformer.vocab_embedding.weight", tensor, 0)
             if self.tied:
