@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,11 +155,15 @@ def test_crash_at_every_write_and_rename_then_resume(tmp_path, calib_file, monke
         shutil.copytree(old, out)
         seen = []
 
-        def fault(s, out=out, image=image, seen=seen, k=k):
-            if len(seen) == k:
-                shutil.copytree(out, image, symlinks=True)
-                raise Crash(s)
-            seen.append(s)
+        def fault(s, out=out, image=image, seen=seen, k=k, lock=threading.Lock()):
+            # the main thread and the write-behind thread both reach fault points: from step k on the process is
+            # dead, so every later point (in either thread) crashes too, and the image is taken once
+            with lock:
+                if len(seen) >= k:
+                    if not image.exists():
+                        shutil.copytree(out, image, symlinks=True)
+                    raise Crash(s)
+                seen.append(s)
 
         monkeypatch.setattr(qtk.io.faults, "fault_point", fault)
         with pytest.raises(Crash):
