@@ -69,4 +69,5 @@ def test_hf_fp8_refuses_other_recipes_naming_a_target_that_accepts(out):
     assert "--target vllm" in e.value.fix
     with pytest.raises(UsageError, match="no KV-cache scales") as e:
         check_targets(src, load_recipe("fp8-block-kv8"), ExportOptions(), ["hf-fp8"])
-    assert "fp8-block" in e.value.fix
+    assert "the fp8-block recipe keeps a 16-bit KV cache" in e.value.problem
+    assert e.value.fix == "use --target vllm"  # the one target whose own check accepts fp8-block-kv8 on this model
