@@ -10,6 +10,7 @@ from models import make_tiny_model
 from qtk import api
 from qtk.export import open_checkpoint
 from qtk.model.simulate import build_simulated_model
+from qtk.plan.decide import w4a8_kind
 from qtk.recipe import builtin_recipes, load_recipe
 
 ARCH_CONFIGS = {
@@ -28,11 +29,9 @@ ARCH_CONFIGS = {
 MOE = ("mixtral", "qwen3_moe")
 # FP8 blocks need Linears that are multiples of 128 both ways, which these tiny models' k/v are not (vLLM refuses
 # them, so does qtk): tests/export/test_formats_next_vllm.py runs them on a model they tile
-# static W4A8 (TensorRT-LLM's W4A8_AWQ: int4 weights, static per-tensor FP8 inputs) has no vLLM form; the trtllm
-# and hf-modelopt tests cover it
+# static W4A8 (TensorRT-LLM's W4A8_AWQ: static per-tensor FP8 inputs) has no vLLM form: tests/trtllm covers it
 RECIPES = sorted(r for r in builtin_recipes() if load_recipe(r).weights.strategy != "block"
-                 and not (load_recipe(r).weights.type == "int" and load_recipe(r).activations is not None
-                          and load_recipe(r).activations.is_fp8 and load_recipe(r).activations.dynamic is False))
+                 and w4a8_kind(load_recipe(r)) != "fp8-static")
 
 
 def _moe_ct_reference(ck, tmp):

@@ -11,11 +11,14 @@ from qtk import api
 from qtk.calib import calibration_ids, load_texts
 from qtk.export import open_checkpoint
 from qtk.model.simulate import build_simulated_model
+from qtk.plan.decide import w4a8_kind
 from qtk.recipe import builtin_recipes, load_recipe
 
 # FP8 blocks need Linears that are multiples of 128 both ways (the tiny models' k/v have 64 rows, which vLLM refuses):
 # tests/export/test_formats_next_vllm.py runs those recipes on a model they tile
-RECIPES = sorted(r for r in builtin_recipes() if load_recipe(r).weights.strategy != "block")
+# static W4A8 (TensorRT-LLM's W4A8_AWQ: static per-tensor FP8 inputs) has no vLLM form: tests/trtllm covers it
+RECIPES = sorted(r for r in builtin_recipes() if load_recipe(r).weights.strategy != "block"
+                 and w4a8_kind(load_recipe(r)) != "fp8-static")
 NS, T = 8, 64
 
 
