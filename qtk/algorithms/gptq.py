@@ -80,6 +80,45 @@ def accumulate_hessian(H: torch.Tensor | None, nsamples: int, X: torch.Tensor,
         return _syrk_(H, X, nsamples / n, 2.0 / n), n
 
 
+HESSIAN_ROWS = 1024  # rows of the float32 block product hessian_sum_ adds to the float64 sum at a time
+
+
+def hessian_sum_(S: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """S += XᵀX in place for a batch of layer inputs X [..., in]: S is a float64 [in, in] sum of which the upper
+    triangle (and each diagonal block whole) is kept; hessian_from_sum reads H from it. Each product is computed in
+    float32 (bf16 inputs through the bf16 kernels, as accumulate_hessian), a block of HESSIAN_ROWS rows at a time, and
+    added in float64. The float64 sum is why: float32 H read from it is the same whichever way the batches were split
+    over processes and summed (reassociating float64 additions moves the sum far below float32's last bit), so a
+    torch.distributed run solves with the very Hessian of one process, and writes the same codes."""
+    exact_bf16 = X.dtype == torch.bfloat16 and X.device.type == "cpu"
+    X = X.reshape(-1, X.shape[-1])
+    in_f = X.shape[1]
+    if S.shape != (in_f, in_f) or S.dtype != torch.float64:
+        raise ValueError(f"hessian_sum_: S is {S.dtype} {tuple(S.shape)}, the inputs have {in_f} features")
+    with _bf16_products(exact_bf16):
+        for c in (X.split(HESSIAN_CHUNK) if X.dtype != torch.float32 else (X,)):
+            c = c.float()
+            for r0 in range(0, in_f, HESSIAN_ROWS):
+                r1 = min(r0 + HESSIAN_ROWS, in_f)
+                S[r0:r1, r0:].add_(c[:, r0:r1].t() @ c[:, r0:])
+    return S
+
+
+def hessian_from_sum(S: torch.Tensor, n: int) -> torch.Tensor:
+    """H = 2/n · S as float32 [in, in] from hessian_sum_'s float64 sum over n tokens, exactly symmetric (the upper
+    triangle mirrored); zeros when n is 0."""
+    in_f = S.shape[0]
+    H = torch.empty(in_f, in_f, dtype=torch.float32, device=S.device)
+    alpha = 2.0 / n if n else 0.0
+    for r0 in range(0, in_f, HESSIAN_ROWS):
+        r1 = min(r0 + HESSIAN_ROWS, in_f)
+        H[r0:r1, r0:] = S[r0:r1, r0:] * alpha  # rounded to float32 once
+        d = H[r0:r1, r0:r1]
+        d.copy_(d.triu() + d.triu(1).t())
+        H[r1:, r0:r1] = H[r0:r1, r1:].t()
+    return H
+
+
 def _syrk_(H: torch.Tensor, X: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
     """H ← beta·H + alpha·XᵀX in place, for symmetric H: the diagonal blocks and the blocks above them are
     computed (3 of 4 half-size products) and the lower half mirrored, so 3/4 of the flops of one GEMM."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from qtk.algorithms.gptq import accumulate_hessian
+from qtk.algorithms.gptq import hessian_sum_, hessian_from_sum
 
 
 class Reducer:
@@ -69,24 +69,47 @@ def _scalar_max(value: float, reducer: Reducer) -> float:
 
 
 class Hessian:
-    """H = 2/n Σ x xᵀ over the n tokens seen (float32 [in, in]), the running average of accumulate_hessian. Processes
-    merge their H weighted by their token counts, which is the H of all their tokens."""
+    """H = 2/n Σ x xᵀ over the n tokens seen (float32 [in, in]), kept as a float64 sum (qtk.algorithms.gptq.hessian_sum_)
+    until H is read. Processes add their sums and token counts: H read from the total is bit for bit the H of one
+    process that saw every batch, so GPTQ under torch.distributed solves with the same Hessian and writes the same
+    codes as one process (a float32 running mean differed in its last bits with the split, and GPTQ's rounding
+    amplified that: a code flipped in one layer changed every later layer's inputs). The sum takes twice the memory
+    of a float32 H while the layer calibrates; reading H frees it, and no batch may follow."""
 
     def __init__(self, in_features: int, device=None):
         self.in_features, self.device = in_features, device
-        self.H: torch.Tensor | None = None  # None until the first token
+        self._sum: torch.Tensor | None = None  # float64 Σ x xᵀ (upper triangle), None until the first token
+        self._H: torch.Tensor | None = None
         self.tokens = 0
 
     def update(self, x: torch.Tensor) -> None:
         """x [..., in]: a batch of inputs of the Linears that share this Hessian."""
-        self.H, self.tokens = accumulate_hessian(self.H, self.tokens, x, inplace=True)
+        if self._H is not None:
+            raise RuntimeError("Hessian.update after H was read: the float64 sum is gone")
+        t = x.numel() // x.shape[-1]
+        if t == 0:
+            return
+        if self._sum is None:
+            self._sum = torch.zeros(self.in_features, self.in_features, dtype=torch.float64, device=x.device)
+        hessian_sum_(self._sum, x)
+        self.tokens += t
+
+    @property
+    def H(self) -> torch.Tensor | None:
+        """The float32 Hessian (None when no process saw a token); reading it ends accumulation."""
+        if self._H is None and self._sum is not None:
+            self._H, self._sum = hessian_from_sum(self._sum, self.tokens), None
+        return self._H
 
     def reduce(self, reducer: Reducer = LOCAL) -> "Hessian":
-        if self.H is None:
-            if reducer.world_size == 1:
-                return self  # no tokens here and nobody else's to take
-            self.H = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=self.device)
-        self.H, self.tokens = reducer.weighted_mean_(self.H, self.tokens)
+        if reducer.world_size == 1:
+            return self  # nothing to combine
+        if self._H is not None:
+            raise RuntimeError("Hessian.reduce after H was read")
+        if self._sum is None:  # no tokens here: this process joins the collective with zeros
+            self._sum = torch.zeros(self.in_features, self.in_features, dtype=torch.float64, device=self.device)
+        reducer.sum_(self._sum)
+        self.tokens = int(reducer.sum_(torch.tensor([self.tokens], dtype=torch.int64))[0])
         return self
 
 

@@ -326,3 +326,28 @@ def test_accumulate_hessian_of_bf16_inputs_is_fp32_accurate():
     assert H.dtype == torch.float32 and n == 3000
     assert ((H.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # the global setting is restored
+
+
+def test_hessian_sum_in_row_blocks_is_2_over_n_xtx_and_independent_of_the_batch_split():
+    """hessian_sum_ adds float32 row-block products into a float64 sum (several blocks: in > HESSIAN_ROWS, bf16 and
+    float32 inputs); hessian_from_sum is 2/n XᵀX, exactly symmetric, and the same bits whichever process summed
+    which batches (the property torch.distributed runs rely on: each process sees whole batches)."""
+    from qtk.algorithms.gptq import HESSIAN_ROWS, hessian_from_sum, hessian_sum_
+
+    g = torch.Generator().manual_seed(0)
+    in_f = 2 * HESSIAN_ROWS + 100
+    X = (torch.randn(96, in_f, generator=g) * torch.linspace(0.1, 3, in_f)).to(torch.bfloat16)
+    ref = (2 / X.shape[0]) * X.double().t() @ X.double()
+    whole = hessian_from_sum(hessian_sum_(torch.zeros(in_f, in_f, dtype=torch.float64), X), X.shape[0])
+    torch.testing.assert_close(whole, ref.float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(whole, whole.t())
+    batches = [p.float() if i % 3 else p for i, p in enumerate(X.split(16))]  # batches of 16 tokens, mixed dtypes
+    one = torch.zeros(in_f, in_f, dtype=torch.float64)
+    for p in batches:
+        hessian_sum_(one, p)
+    a, b = torch.zeros(in_f, in_f, dtype=torch.float64), torch.zeros(in_f, in_f, dtype=torch.float64)
+    for i, p in enumerate(reversed(batches)):  # the same batches in another order, alternately to two "processes"
+        hessian_sum_(a if i % 2 else b, p)
+    assert torch.equal(hessian_from_sum(a.add_(b), X.shape[0]), hessian_from_sum(one, X.shape[0]))
+    torch.testing.assert_close(hessian_from_sum(one, X.shape[0]), whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(hessian_from_sum(torch.zeros(4, 4, dtype=torch.float64), 0), torch.zeros(4, 4))

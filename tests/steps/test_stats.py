@@ -1,6 +1,6 @@
 """Statistics as accumulators: one process's reduce (LOCAL) leaves every statistic bit for bit as accumulated, and the
 reduce seam is enough for several processes — simulated here with two — to get the statistics of all their tokens
-(Hessians merged by token counts, maxima maxed, counts summed, search losses weighted by tokens)."""
+(Hessians summed in float64, bit for bit the one process's, maxima maxed, counts summed, search losses weighted by tokens)."""
 
 import pytest
 import torch
@@ -54,13 +54,19 @@ class Peer(Reducer):
 
 def test_local_reduce_leaves_every_statistic_as_accumulated():
     h = Hessian(32)
-    H, n = None, 0
     for x in BATCHES:
         h.update(x)
-        H, n = accumulate_hessian(H, n, x)
+    n = sum(x.shape[0] * x.shape[1] for x in BATCHES)
+    assert h.reduce(LOCAL) is h and h.tokens == n
     before = h.H
-    assert h.reduce(LOCAL) is h and h.H is before and h.tokens == n == sum(x.shape[0] * x.shape[1] for x in BATCHES)
-    assert torch.equal(h.H, H)  # the running average, bit for bit
+    assert h.H is before
+    X = torch.cat([x.reshape(-1, 32) for x in BATCHES]).double()
+    torch.testing.assert_close(h.H, (2 / n * X.t() @ X).float(), rtol=1e-6, atol=1e-6)  # 2/n Σ xxᵀ
+    assert torch.equal(h.H, h.H.t())  # exactly symmetric
+    _, m = accumulate_hessian(None, 0, torch.cat([x.reshape(-1, 32) for x in BATCHES]))
+    assert m == n
+    with pytest.raises(RuntimeError, match="after H was read"):
+        h.update(BATCHES[0])  # reading H ends accumulation: the float64 sum is gone
     cm = ChannelMax(32)
     a = Amax()
     for x in BATCHES:
@@ -92,7 +98,8 @@ def test_two_processes_get_the_statistics_of_all_their_tokens():
         whole.update(x)
     h = _two_processes(lambda: Hessian(32), lambda acc, x: acc.update(x))
     assert h.tokens == whole.tokens
-    torch.testing.assert_close(h.H, whole.H, rtol=1e-5, atol=1e-6)  # equal up to float reassociation
+    # bit for bit: float64 sums reassociated by the split round to the same float32 H (a float32 running mean did not)
+    assert torch.equal(h.H, whole.H)
 
     cm = _two_processes(lambda: ChannelMax(32), lambda acc, x: acc.update(x))
     assert torch.equal(cm.amax, torch.cat([x.reshape(-1, 32) for x in BATCHES]).abs().amax(0))
@@ -120,15 +127,16 @@ def test_search_losses_merge_as_a_mean_over_every_process_tokens():
 
 def test_an_empty_hessian_joins_the_reduction_with_zeros():
     """A process no token reached still takes part (collectives need every process), with weight 0."""
-    full = Hessian(32)
+    full, ref = Hessian(32), Hessian(32)
     for x in BATCHES:
         full.update(x)
+        ref.update(x)
     rec = Recording()
-    H = full.H.clone()
+    H = ref.H
     full.reduce(rec)
     empty = Hessian(32).reduce(Peer(rec.sent))
     assert empty.tokens == full.tokens
-    torch.testing.assert_close(empty.H, H)
+    assert torch.equal(empty.H, H)
 
 
 def test_token_sample_keeps_evenly_spaced_tokens_per_batch():
