@@ -22,32 +22,43 @@ ROW_BLOCK_BYTES = 32 << 20  # float32 bytes of one row block of a weight rounded
 
 def row_block(scheme: QuantScheme, shape) -> int | None:
     """Rows per block when `scheme` rounds every row on its own (per-channel or per-group scales from the min-max
-    observer, on an int or fp8 grid, and MX's E8M0 groups: each scale is a min/max over part of one row, each code an
-    elementwise function of the row and its scale), so a weight's QTensor is its row blocks' QTensors stacked, bit for
-    bit, and can be made (and decoded) a block at a time without whole-weight float32 temporaries; None otherwise
-    (per-tensor scales, the MSE observer, formats with tensor-wide parts such as NVFP4's global scale, FP8 blocks)
-    and for weights of one block."""
+    observer, on an int or fp8 grid; MX's E8M0 groups; NVFP4's groups of 16 under a global scale fixed up front from
+    the weight's amax: each scale is a min/max over part of one row, each code an elementwise function of the row and
+    its scales), so a weight's QTensor is its row blocks' QTensors stacked, bit for bit, and can be made (and
+    decoded) a block at a time without whole-weight float32 temporaries; None otherwise (per-tensor scales, the MSE
+    observer, FP8 blocks) and for weights of one block."""
     from qtk.quant.formats.grouped import GroupedFormat
     from qtk.quant.formats.mx import MXFormat
+    from qtk.quant.formats.nvfp4 import NVFP4Format
 
-    if (scheme.strategy not in ("channel", "group") or scheme.observer != "minmax"
-            or not isinstance(format_for(scheme), (GroupedFormat, MXFormat)) or len(shape) != 2):
+    fmt = format_for(scheme)
+    per_row = (isinstance(fmt, NVFP4Format) or scheme.strategy in ("channel", "group")
+               and isinstance(fmt, (GroupedFormat, MXFormat)))
+    if not per_row or scheme.observer != "minmax" or len(shape) != 2:
         return None
     rows = max(1, ROW_BLOCK_BYTES // max(1, 4 * int(shape[1])))
     return rows if rows < shape[0] else None
 
 
-def quantize_rows(w32: torch.Tensor, scheme: QuantScheme, dtype, rows: int) -> QTensor:
-    """QTensor.quantize(w32, scheme, dtype), `rows` rows at a time (for a scheme row_block accepts): the same tensors."""
-    values = torch.empty(w32.shape, dtype=format_for(scheme).storage_dtype(scheme), device=w32.device)
+def quantize_rows(w32: torch.Tensor, scheme: QuantScheme, dtype, rows: int,
+                  extra: dict[str, torch.Tensor] | None = None) -> QTensor:
+    """QTensor.quantize(w32, scheme, dtype), `rows` rows at a time (for a scheme row_block accepts): the same tensors.
+    A format's tensor-wide part (NVFP4's global scale) is fixed first, from the whole weight's min/max, or given in
+    `extra` (a fusion group's, Format.shared_extra), and every block rounded under it."""
+    fmt = format_for(scheme)
+    if extra is None and fmt.tensor_wide(scheme):
+        extra = fmt.shared_extra([w32], scheme, dtype)
+    values = torch.empty(w32.shape, dtype=fmt.storage_dtype(scheme), device=w32.device)
     scales, zeros = [], []
     for r in range(0, w32.shape[0], rows):
-        qt = QTensor.quantize(w32[r:r + rows], scheme, dtype)
-        values[r:r + rows] = qt.values
-        scales.append(qt.scale)
-        zeros.append(qt.zero_point)
-        del qt
-    return QTensor(values, torch.cat(scales), scheme, None if zeros[0] is None else torch.cat(zeros), None, dtype, {})
+        block = w32[r:r + rows]
+        qp = fmt.row_qparams(block, scheme, dtype, extra)
+        values[r:r + rows] = fmt.quantize(block, qp, scheme, model_dtype=dtype)
+        scales.append(qp.scale)
+        zeros.append(qp.zero_point)
+        del qp
+    return QTensor(values, torch.cat(scales), scheme, None if zeros[0] is None else torch.cat(zeros), None, dtype,
+                   dict(extra or {}))
 
 
 def row_slice(qt: QTensor, r0: int, r1: int) -> QTensor:
@@ -56,6 +67,19 @@ def row_slice(qt: QTensor, r0: int, r1: int) -> QTensor:
 
     return replace(qt, values=qt.values[r0:r1], scale=qt.scale[r0:r1],
                    zero_point=None if qt.zero_point is None else qt.zero_point[r0:r1])
+
+
+def _round(w32: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.Tensor] | None = None) -> QTensor:
+    """w32's QTensor (under a fusion group's tensor-wide part `extra`, if given): a row block at a time when the
+    weight is large and its rows round on their own (row_block), so no whole-weight float32 temporaries."""
+    rows = row_block(scheme, w32.shape)
+    if rows is not None:
+        return quantize_rows(w32, scheme, dtype, rows, extra)
+    if extra is None:
+        return QTensor.quantize(w32, scheme, dtype)
+    fmt = format_for(scheme)
+    qp = fmt.row_qparams(w32, scheme, dtype, extra)
+    return QTensor.of(fmt.quantize(w32, qp, scheme, model_dtype=dtype), qp, scheme, dtype)
 
 
 def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme], arch, dtype,
@@ -92,16 +116,16 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
         elif len(members) > 1:  # a tensor-wide part the fused GEMM shares (NVFP4's global scale), from the joint weights
             scheme = schemes[members[0]]
             fmt = format_for(scheme)
-            qps = fmt.fused_qparams([weights[m].float() for m in members], scheme, dtype)
-            for m, qp in zip(members, qps or ()):
+            # min/max passes over the weights as given (model dtype in the stream): no float32 copy of any member yet
+            extra = fmt.shared_extra([weights[m] for m in members], scheme, dtype)
+            for m in members if extra is not None else ():
                 w32 = weights[m].float()
-                done(m, w32, QTensor.of(fmt.quantize(w32, qp, scheme, model_dtype=dtype), qp, scheme, dtype))
+                done(m, w32, _round(w32, scheme, dtype, extra))
                 del w32  # before the next copy is made
     for name in list(weights):  # names only: no reference to a weight beyond its own turn
         if name not in out:
             w32 = weights[name].float()
-            rows = row_block(schemes[name], w32.shape)  # large per-row weights: no whole-weight temporaries
-            qt = QTensor.quantize(w32, schemes[name], dtype) if rows is None else quantize_rows(w32, schemes[name], dtype, rows)
+            qt = _round(w32, schemes[name], dtype)
             done(name, w32, qt)
             del w32, qt
     return out

@@ -190,7 +190,7 @@ def test_the_self_check_scans_a_written_embedding_in_chunks_from_disk(tmp_path, 
     assert max([n for r, n in reads if r == "model.embed_tokens.weight"] or [None]) <= 3000
 
 
-@pytest.mark.parametrize("recipe", ["fp8-dynamic", "w8a16", "w4a16", "mxfp4-a16"])
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "w8a16", "w4a16", "mxfp4-a16", "nvfp4-a16"])
 def test_row_blocks_round_and_measure_as_the_whole_weight(recipe, tmp_path, monkeypatch):
     """A per-channel / per-group weight rounded a row block at a time (rtn.quantize_rows: no whole-weight float32
     temporaries) is the whole weight's QTensor bit for bit, and the stream's error, max |w| and digest decoded block by

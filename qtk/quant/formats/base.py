@@ -88,10 +88,18 @@ class Format:
 
         return self.qparams(cols, replace(scheme, strategy="channel", group_size=None), model_dtype)
 
-    def fused_qparams(self, weights: list[torch.Tensor], scheme: QuantScheme, model_dtype: torch.dtype) -> list[QParams] | None:
-        """QParams of Linears the engines fuse into one GEMM (q/k/v, gate/up) whose tensor-wide part they must share;
-        None when nothing is shared (each member takes its own)."""
+    def shared_extra(self, weights: list[torch.Tensor], scheme: QuantScheme,
+                     model_dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """The tensor-wide part of qparams (tensor_wide: NVFP4's global scale) that `weights` share: one weight's, or
+        the members' of a fusion group the engines run as one GEMM (q/k/v, gate/up). Taken from min/max passes over
+        the weights as given (model-dtype tensors need no float32 copy); None for a format without one."""
         return None
+
+    def row_qparams(self, w: torch.Tensor, scheme: QuantScheme, model_dtype: torch.dtype,
+                    extra: dict[str, torch.Tensor] | None = None) -> QParams:
+        """QParams of w [rows, in], some rows of a weight whose tensor-wide part is `extra` (shared_extra of the whole
+        weight or its fusion group), for a format whose other qparams are per row; qparams(w) when extra is None."""
+        return self.qparams(w, scheme, model_dtype)
 
     def column_quantizer(self, scheme: QuantScheme, qp: QParams | None = None,
                          model_dtype: torch.dtype | None = None) -> ColumnQuantizer:

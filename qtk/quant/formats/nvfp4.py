@@ -33,9 +33,15 @@ def _group_scales(w: torch.Tensor, gs: torch.Tensor, model_dtype: torch.dtype, g
     return torch.where(s == 0, _ZERO_SCALE, s)
 
 
+def _amax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| as a float32 scalar, from one min/max pass (no |w| temporary of w's size; NaN when w holds one)."""
+    lo, hi = torch.aminmax(w.detach())
+    return torch.maximum(-lo.float(), hi.float())
+
+
 def _global(ws: list[torch.Tensor], model_dtype: torch.dtype) -> torch.Tensor:
     """The global scale of the joint amax of ws, computed in the model dtype (as compressed-tensors does)."""
-    amax = torch.stack([w.detach().abs().amax().float() for w in ws]).amax()
+    amax = torch.stack([_amax(w) for w in ws]).amax()
     return nvfp4_global_scale(amax.to(model_dtype))
 
 
@@ -59,12 +65,18 @@ class NVFP4Format(Format):
         return True
 
     def qparams(self, w, scheme, model_dtype):
-        gs = _global([w], model_dtype)
-        return QParams(_group_scales(w, gs, model_dtype, scheme.group_size), None, {GLOBAL: gs})
+        return self.row_qparams(w, scheme, model_dtype, self.shared_extra([w], scheme, model_dtype))
 
-    def fused_qparams(self, weights, scheme, model_dtype):
-        gs = _global(weights, model_dtype)
-        return [QParams(_group_scales(w, gs, model_dtype, scheme.group_size), None, {GLOBAL: gs}) for w in weights]
+    def shared_extra(self, weights, scheme, model_dtype):
+        """{global_scale: 448·6 / amax}, amax over all of `weights` (one min/max pass each)."""
+        return {GLOBAL: _global(weights, model_dtype)}
+
+    def row_qparams(self, w, scheme, model_dtype, extra=None):
+        """The group scales of rows w under the global scale in extra: groups of 16 lie within a row, so a weight's
+        group scales are its row blocks' stacked."""
+        if extra is None:
+            return self.qparams(w, scheme, model_dtype)
+        return QParams(_group_scales(w, extra[GLOBAL], model_dtype, scheme.group_size), None, dict(extra))
 
     def group_qparams(self, cols, scheme, model_dtype, qp=None):
         return QParams(_group_scales(cols, qp.extra[GLOBAL], model_dtype, cols.shape[1]))
