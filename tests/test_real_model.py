@@ -20,7 +20,8 @@ from qtk import api
 from qtk.errors import UsageError
 from qtk.export import open_checkpoint
 from qtk.model.simulate import build_simulated_model
-from qtk.recipe import builtin_recipes, parse_recipe
+from qtk.plan.decide import w4a8_kind
+from qtk.recipe import builtin_recipes, load_recipe, parse_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "examples" / "real_text"
@@ -95,11 +96,21 @@ def test_every_recipe_converts_the_real_model(model, heldout, base_ppl, tmp_path
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     doc = yaml.safe_load(builtin_recipes()[name].read_text())
+    # the vLLM target, or TensorRT-LLM for what vLLM cannot run (static W4A8: W4A8_AWQ)
+    target = "vllm" if _accepts("vllm", model, load_recipe(name)) else "trtllm"
     if doc["weights"].get("group_size") == 128:
         # 128 does not divide 576: refused before any work, naming the key; 64 divides every Linear
         with pytest.raises(UsageError, match="group_size"):
-            api.convert(model, name, tmp_path / "refused", calib=str(TEXT / "calib.jsonl"), num_samples=2, seq_len=64)
-        assert not (tmp_path / "refused" / "vllm").exists()
+            api.convert(model, name, tmp_path / "refused", targets=[target], calib=str(TEXT / "calib.jsonl"),
+                        num_samples=2, seq_len=64)
+        assert not (tmp_path / "refused" / target).exists()
+        if w4a8_kind(load_recipe(name)) in ("fp8-dynamic", "fp8-static"):
+            # W4A8-FP8 runs only in groups of 128 (vLLM's CUTLASS kernel and TensorRT-LLM's W4A8_AWQ): no group
+            # size serves this model, and a smaller one is refused too
+            doc["weights"]["group_size"] = 64
+            with pytest.raises(UsageError, match="symmetric groups of 128"):
+                parse_recipe(doc, json.dumps(doc), name)
+            return
         doc["weights"]["group_size"] = 64
     if doc["weights"].get("strategy") == "block":
         # vLLM quantizes FP8-block activations in whole groups of 128 input columns: the Linears reading the 576-wide
@@ -109,8 +120,6 @@ def test_every_recipe_converts_the_real_model(model, heldout, base_ppl, tmp_path
         assert not (tmp_path / "refused" / "vllm").exists()
         doc["ignore"] = [*doc["ignore"], r"re:.*self_attn\.(q|k|v|o)_proj", r"re:.*mlp\.(gate|up)_proj"]
     recipe = parse_recipe(doc, json.dumps(doc), name)
-    # the vLLM target, or TensorRT-LLM for what vLLM cannot run (static W4A8: W4A8_AWQ)
-    target = "vllm" if _accepts("vllm", model, recipe) else "trtllm"
     assert _accepts(target, model, recipe)
     res = api.convert(model, recipe, tmp_path / "o", targets=[target], calib=str(TEXT / "calib.jsonl"), num_samples=8,
                       seq_len=128, hash_source=False)
