@@ -23,8 +23,7 @@ from qtk.quant.scheme import QuantScheme
 log = logging.getLogger(__name__)
 
 SUB_BLOCK = 16  # columns per inner lazy-update block (see gptq_quantize)
-HESSIAN_CHUNK = 1024  # tokens converted to float32 at a time in accumulate_hessian
-SYRK_MIN = 512  # below this many inputs one GEMM is faster than the blocked symmetric product
+HESSIAN_CHUNK = 1024  # tokens of a non-float32 batch converted to float32 at a time in hessian_sum_
 
 
 class CholeskyFailed(QtkError):
@@ -47,49 +46,17 @@ def _bf16_products(on: bool):
         mm.fp32_precision = old
 
 
-def accumulate_hessian(H: torch.Tensor | None, nsamples: int, X: torch.Tensor,
-                       inplace: bool = False) -> tuple[torch.Tensor, int]:
-    """Fold a batch of layer inputs X [..., in] into the running H = 2/n Σ x xᵀ (float32, n = tokens seen).
-
-    Returns a new (H [in, in], n); the H passed in is not modified, unless inplace (then H itself is updated
-    and returned, saving an [in, in] copy per batch). Start with (None, 0). bf16 inputs (a layer run in bf16)
-    are multiplied by bf16 kernels with fp32 accumulation: the same H as fp32, twice as fast.
-    """
-    exact_bf16 = X.dtype == torch.bfloat16 and X.device.type == "cpu"
-    X = X.reshape(-1, X.shape[-1])
-    if X.shape[0] > HESSIAN_CHUNK and X.dtype != torch.float32:  # bounds the float32 copy of X: 40+ MB for a wide input
-        for c in X.split(HESSIAN_CHUNK):
-            H, nsamples = accumulate_hessian(H, nsamples, c, inplace)
-            inplace = True  # H is ours from the first chunk on
-        return H, nsamples
-    X = X.float()  # X [tokens, in]
-    t, in_f = X.shape
-    if H is None:
-        if nsamples:
-            raise ValueError(f"accumulate_hessian: H is None but nsamples={nsamples}; start with (None, 0)")
-        H = torch.zeros(in_f, in_f, dtype=torch.float32, device=X.device)
-    if H.shape != (in_f, in_f):
-        raise ValueError(f"accumulate_hessian: H is {tuple(H.shape)} but the inputs have {in_f} features")
-    if t == 0:
-        return H.float().clone(), nsamples
-    n = nsamples + t
-    # n_old/n · H_old + 2/n · XᵀX keeps H an average, so it never grows with the number of batches
-    if not (inplace and H.dtype == torch.float32):
-        H = H.float().clone()
-    with _bf16_products(exact_bf16):
-        return _syrk_(H, X, nsamples / n, 2.0 / n), n
-
-
 HESSIAN_ROWS = 1024  # rows of the float32 block product hessian_sum_ adds to the float64 sum at a time
 
 
 def hessian_sum_(S: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """S += XᵀX in place for a batch of layer inputs X [..., in]: S is a float64 [in, in] sum of which the upper
     triangle (and each diagonal block whole) is kept; hessian_from_sum reads H from it. Each product is computed in
-    float32 (bf16 inputs through the bf16 kernels, as accumulate_hessian), a block of HESSIAN_ROWS rows at a time, and
-    added in float64. The float64 sum is why: float32 H read from it is the same whichever way the batches were split
-    over processes and summed (reassociating float64 additions moves the sum far below float32's last bit), so a
-    torch.distributed run solves with the very Hessian of one process, and writes the same codes."""
+    float32 (bf16 inputs through oneDNN's bf16 kernels with fp32 accumulation: exact products, twice as fast), a block
+    of HESSIAN_ROWS rows at a time, and added in float64. The float64 sum is why: float32 H read from it is the same
+    whichever way the batches were split over processes and summed (reassociating float64 additions moves the sum far
+    below float32's last bit), so a torch.distributed run solves with the very Hessian of one process, and writes the
+    same codes."""
     exact_bf16 = X.dtype == torch.bfloat16 and X.device.type == "cpu"
     X = X.reshape(-1, X.shape[-1])
     in_f = X.shape[1]
@@ -116,21 +83,6 @@ def hessian_from_sum(S: torch.Tensor, n: int) -> torch.Tensor:
         d = H[r0:r1, r0:r1]
         d.copy_(d.triu() + d.triu(1).t())
         H[r1:, r0:r1] = H[r0:r1, r1:].t()
-    return H
-
-
-def _syrk_(H: torch.Tensor, X: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
-    """H ← beta·H + alpha·XᵀX in place, for symmetric H: the diagonal blocks and the blocks above them are
-    computed (3 of 4 half-size products) and the lower half mirrored, so 3/4 of the flops of one GEMM."""
-    in_f = H.shape[0]
-    if in_f < SYRK_MIN:
-        return H.addmm_(X.t(), X, beta=beta, alpha=alpha)
-    k = in_f // 2
-    Xa, Xb = X[:, :k], X[:, k:]
-    H[:k, :k].addmm_(Xa.t(), Xa, beta=beta, alpha=alpha)
-    H[:k, k:].addmm_(Xa.t(), Xb, beta=beta, alpha=alpha)
-    H[k:, k:].addmm_(Xb.t(), Xb, beta=beta, alpha=alpha)
-    H[k:, :k] = H[:k, k:].t()
     return H
 
 
@@ -191,7 +143,7 @@ def _damped_hinv(make_h, diag: torch.Tensor, params: GPTQParams, name: str) -> t
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params: GPTQParams,
                   dtype: torch.dtype | None = None, name: str = "", loss: bool = True,
                   dequantized: bool = True) -> tuple[QTensor, dict]:
-    """Quantize W [out, in] against the Hessian H [in, in] of its inputs (see accumulate_hessian).
+    """Quantize W [out, in] against the Hessian H [in, in] of its inputs (H = 2/n Σ x xᵀ: hessian_sum_, hessian_from_sum).
 
     dtype: the model dtype (int scales are rounded to it; default W's). name: for log and error messages.
     Group qparams are taken when a group starts, from its current (already error-compensated) columns,

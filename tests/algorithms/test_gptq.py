@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from qtk.algorithms.gptq import CholeskyFailed, accumulate_hessian, gptq_quantize
+from qtk.algorithms.gptq import CholeskyFailed, gptq_quantize, hessian_from_sum, hessian_sum_
 from qtk.recipe.params import GPTQParams
 from qtk.algorithms.rtn import rtn_quantize
 from qtk.errors import UsageError
@@ -47,29 +47,27 @@ def output_err(W, Wq, X) -> float:
 
 
 def hessian(X):
-    return accumulate_hessian(None, 0, X)[0]
+    X = X.reshape(-1, X.shape[-1])
+    return hessian_from_sum(hessian_sum_(torch.zeros(X.shape[1], X.shape[1], dtype=torch.float64), X), X.shape[0])
 
 
 # ---- Hessian accumulation ----
 
-def test_accumulate_hessian_is_running_mean_over_tokens():
+def test_hessian_sum_takes_any_leading_dims_as_tokens_in_place():
     _, X = correlated_layer(inp=16, tokens=100)
-    H, n = None, 0
+    S = torch.zeros(16, 16, dtype=torch.float64)
     for chunk in (X[:10], X[10:55].reshape(5, 9, 16), X[55:]):  # any leading dims count as tokens
-        H_prev = None if H is None else H.clone()
-        H_new, n = accumulate_hessian(H, n, chunk)
-        if H_prev is not None:
-            assert torch.equal(H, H_prev), "the input H must not be modified"
-        H = H_new
-    assert n == 100 and H.dtype == torch.float32
+        assert hessian_sum_(S, chunk) is S  # the sum is updated in place
+    H = hessian_from_sum(S, 100)
+    assert H.dtype == torch.float32 and torch.equal(H, H.t())
     torch.testing.assert_close(H, 2 / 100 * X.t() @ X, rtol=1e-5, atol=1e-5)
 
 
-def test_accumulate_hessian_rejects_mismatched_inputs():
+def test_hessian_sum_rejects_mismatched_inputs():
     with pytest.raises(ValueError, match="features"):
-        accumulate_hessian(torch.zeros(8, 8), 3, torch.randn(4, 9))
-    with pytest.raises(ValueError, match="start with"):
-        accumulate_hessian(None, 5, torch.randn(4, 8))
+        hessian_sum_(torch.zeros(8, 8, dtype=torch.float64), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="float32"):  # the sum must be float64
+        hessian_sum_(torch.zeros(8, 8), torch.randn(4, 8))
 
 
 # ---- GPTQ beats RTN ----
@@ -313,17 +311,16 @@ def test_shared_input_solve_equals_separate_solves(name, actorder, static_groups
         assert info["loss"] == pytest.approx(ref_info["loss"], rel=1e-3)
 
 
-def test_accumulate_hessian_of_bf16_inputs_is_fp32_accurate():
+def test_hessian_of_bf16_inputs_is_fp32_accurate():
     """bf16 inputs take the bf16-kernel path (fp32 accumulation): H matches a float64 reference to fp32 accuracy."""
     _, X = correlated_layer(inp=384, tokens=3000)
     Xb = X.bfloat16()
-    H, n = accumulate_hessian(None, 0, Xb[:2600])  # more tokens than one float32 chunk (HESSIAN_CHUNK)
-    H0 = H.clone()
-    H2, n = accumulate_hessian(H, n, Xb[2600:])
-    assert torch.equal(H, H0), "the input H must not be modified"
-    H = H2
+    S = torch.zeros(384, 384, dtype=torch.float64)
+    hessian_sum_(S, Xb[:2600])  # more tokens than one float32 chunk (HESSIAN_CHUNK)
+    hessian_sum_(S, Xb[2600:])
+    H = hessian_from_sum(S, 3000)
     ref = 2 / 3000 * Xb.double().t() @ Xb.double()
-    assert H.dtype == torch.float32 and n == 3000
+    assert H.dtype == torch.float32
     assert ((H.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # the global setting is restored
 
@@ -332,7 +329,7 @@ def test_hessian_sum_in_row_blocks_is_2_over_n_xtx_and_independent_of_the_batch_
     """hessian_sum_ adds float32 row-block products into a float64 sum (several blocks: in > HESSIAN_ROWS, bf16 and
     float32 inputs); hessian_from_sum is 2/n XᵀX, exactly symmetric, and the same bits whichever process summed
     which batches (the property torch.distributed runs rely on: each process sees whole batches)."""
-    from qtk.algorithms.gptq import HESSIAN_ROWS, hessian_from_sum, hessian_sum_
+    from qtk.algorithms.gptq import HESSIAN_ROWS
 
     g = torch.Generator().manual_seed(0)
     in_f = 2 * HESSIAN_ROWS + 100

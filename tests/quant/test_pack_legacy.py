@@ -4,7 +4,7 @@ shapes, agreement with a bit-by-bit reference, and a GPTQ act-order layer read b
 import pytest
 import torch
 
-from qtk.algorithms.gptq import accumulate_hessian, gptq_quantize
+from qtk.algorithms.gptq import gptq_quantize
 from qtk.recipe.params import GPTQParams
 from qtk.quant.pack import (
     AWQ_ORDER,
@@ -16,6 +16,7 @@ from qtk.quant.pack import (
     unpack_gptq_qzeros,
 )
 from qtk.recipe import QuantScheme
+from qtk.steps.stats import Hessian
 
 
 def u32(x) -> int:
@@ -123,7 +124,9 @@ def test_gptq_actorder_layer_reads_back_like_a_loader():
     X = torch.randn(256, in_f, generator=g) * torch.linspace(0.2, 3, in_f)[torch.randperm(in_f, generator=g)]
     W = 0.05 * torch.randn(out_f, in_f, generator=g)
     scheme = QuantScheme(4, strategy="group", group_size=gs, symmetric=False)
-    qt, _ = gptq_quantize(W, accumulate_hessian(None, 0, X)[0], scheme, GPTQParams(actorder="group"), torch.float16)
+    h = Hessian(in_f)
+    h.update(X)
+    qt, _ = gptq_quantize(W, h.H, scheme, GPTQParams(actorder="group"), torch.float16)
     assert qt.g_idx is not None
 
     qweight = pack_gptq_qweight(qt.values, 4)  # [in/8, out]
