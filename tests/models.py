@@ -57,6 +57,23 @@ def make_tiny_model(path: Path, *, model_type: str = "llama", layers: int = 2, h
 PROGRESS_LINE = re.compile(r"\[qtk (convert|eval) \d+(:\d\d){1,2}\] ")
 
 
+def bf16_runtime_logits(d: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 logits on fixed ids of the checkpoint d run in bf16 three ways: transformers + compressed-tensors'
+    run-time path (activations quantized as it quantizes them), qtk's simulation with activations quantized, and the
+    simulation with weights alone (to show the activations are quantized in the first two)."""
+    from transformers import AutoModelForCausalLM
+
+    from qtk.export import open_checkpoint
+    from qtk.model.simulate import build_simulated_model
+
+    ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16).eval()
+    sim, plain = (build_simulated_model(open_checkpoint(d), simulate_activations=act, simulate_kv=False,
+                                        dtype=torch.bfloat16) for act in (True, False))
+    with torch.no_grad():
+        return tuple(m(ids).logits.float() for m in (ref, sim, plain))
+
+
 def message_lines(output: str) -> list[str]:
     """What a command said, less its progress lines (one per stage and layer when stderr is not a terminal)."""
     return [line for line in output.strip().splitlines() if line.strip() and not PROGRESS_LINE.match(line)]
