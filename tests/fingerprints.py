@@ -10,7 +10,8 @@ meant to change, and say why in the commit message:
 
 Calibration runs on one thread, as the tests do: the results of calibrated recipes depend on the order of float
 additions in the CPU's GEMM kernels, so they are compared byte for byte on the machine signature they were taken on
-and by integer-code agreement elsewhere (see tests/test_fingerprints.py).
+(torch, instruction set, CPU vendor and model) and by names, dtypes, shapes and configs elsewhere (see
+tests/test_fingerprints.py).
 """
 
 from __future__ import annotations
@@ -42,11 +43,26 @@ RECIPES = {"random-mixtral": ("w4a16-gptq", "fp8", "int8-kv8")}
 EXTRA = [{"model": "random-llama", "recipe": "int8-kv8", "targets": ["trtllm"], "options": {"tp": 2}}]
 
 
+def cpu_model() -> str:
+    """The CPU's vendor and model (Linux: /proc/cpuinfo): GEMM libraries pick other kernels on other CPUs of one
+    instruction set (an AVX512 AMD EPYC sums differently from an AVX512 Xeon), so bytes of calibrated cases are
+    compared only on the CPU they were taken on."""
+    try:
+        info = {}
+        for line in Path("/proc/cpuinfo").read_text().splitlines()[:32]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                info.setdefault(k.strip(), v.strip())
+        return " ".join(info.get(k, "") for k in ("vendor_id", "model name")).strip() or platform.processor()
+    except OSError:
+        return platform.processor()
+
+
 def machine() -> dict:
     import torch
 
     return {"torch": torch.__version__.split("+")[0], "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine()}
+            "machine": platform.machine(), "cpu": cpu_model()}
 
 
 def build_model(name: str, root: Path) -> Path:

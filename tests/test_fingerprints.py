@@ -3,7 +3,8 @@
 Every built-in recipe on fixed models, with every target that accepts it: each written tensor's dtype, shape and
 bytes, and each config's quantization section, against tests/data/fingerprints.json. Recipes without calibration
 are elementwise arithmetic and must match on any machine; calibrated ones depend on the summation order of the
-CPU's GEMM kernels, so their bytes are compared where the machine signature (torch version, CPU capability) is the
+CPU's GEMM kernels, so their bytes are compared where the machine signature (torch version, CPU capability,
+CPU model) is the
 one the fingerprints were taken on, and their names, dtypes, shapes and configs everywhere.
 """
 
