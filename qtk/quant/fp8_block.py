@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from qtk.quant.e4m3 import to_float32
+
 FP8_E4M3_MAX = 448.0
 FP8_BLOCK = (128, 128)
 FP8_ACT_GROUP = 128
@@ -58,7 +60,7 @@ def fp8_block_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
                          dtype: torch.dtype | None = None) -> torch.Tensor:
     """w ≈ q · scale per block: float8_e4m3fn [out, in] -> dtype (default the scale's) [out, in]."""
     dtype = dtype or scale.dtype
-    b = _blocks(q.float(), block) * scale.float()[:, :, None, None]
+    b = _blocks(to_float32(q), block) * scale.float()[:, :, None, None]
     return _unblock(b, tuple(q.shape)).to(dtype)
 
 

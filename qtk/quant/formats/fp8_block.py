@@ -15,6 +15,7 @@ import torch
 from qtk.quant.formats.base import Format, QParams, register_format
 from qtk.quant.formats.integer import HALF
 from qtk.quant.fp8_block import FP8_E4M3_MAX, fp8_block_dequantize, fp8_block_quantize, fp8_block_scales, fp8_group_fake_quant
+from qtk.quant.e4m3 import to_float32
 from qtk.quant.scheme import QuantScheme
 
 
@@ -53,12 +54,12 @@ class FP8BlockFormat(Format):
     def column_quantizer(self, scheme, qp=None, model_dtype=None):
         def quantize_column(w, s, z):
             q = torch.div(w, s).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-            return q, q.float().mul_(s)
+            return q, to_float32(q).mul_(s)
 
         return quantize_column
 
     def dequantize_columns(self, q, scale, zero, qp=None):
-        return q.float() * scale
+        return to_float32(q) * scale
 
     def fake_quant_activation(self, x, scheme, scale=None):
         return fp8_group_fake_quant(x, scheme.group_size)

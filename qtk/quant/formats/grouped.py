@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from qtk.quant.formats.base import Format, QParams
+from qtk.quant.e4m3 import to_float32
 from qtk.quant.scheme import QuantScheme
 
 STRATEGIES = ("tensor", "channel", "group")
@@ -50,7 +51,7 @@ def regroup(t: torch.Tensor, w_shape, scheme: QuantScheme) -> torch.Tensor:
 
 
 def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    q = q.float()
+    q = to_float32(q)  # int codes, or fp8 decoded by bit arithmetic (qtk.quant.e4m3)
     if zero is not None:
         q = q - zero
     return q * scale
@@ -161,9 +162,9 @@ class GroupedFormat(Format):
         if g_idx is not None:
             s = scale[:, g_idx.long()]
             z = None if zero is None else zero[:, g_idx.long()].float()
-            qf = values.float()
+            qf = to_float32(values)
             return ((qf - z) if z is not None else qf) * s
-        qg = grouped(values.float(), scheme)
+        qg = grouped(to_float32(values), scheme)
         w = dequantize_grouped(qg, regroup(scale.float(), values.shape, scheme),
                                None if zero is None else regroup(zero.float(), values.shape, scheme))
         return w.reshape(values.shape)

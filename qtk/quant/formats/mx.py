@@ -13,6 +13,7 @@ import torch
 from qtk.quant.formats.base import Format, QParams, register_format
 from qtk.quant.fp4 import FP4_MAX, fp4_decode, fp4_encode
 from qtk.quant.mx import FP8_E4M3_MAX, MX_GROUP, e8m0_decode, mx_fake_quant, mx_scales
+from qtk.quant.e4m3 import to_float32
 from qtk.quant.scheme import QuantScheme
 
 _FP8 = torch.float8_e4m3fn
@@ -52,7 +53,7 @@ class MXFormat(Format):
 
     @staticmethod
     def _values(q: torch.Tensor) -> torch.Tensor:
-        return fp4_decode(q) if q.dtype == torch.uint8 else q.float()
+        return fp4_decode(q) if q.dtype == torch.uint8 else to_float32(q)
 
     def quantize(self, w, qp, scheme, model_dtype=None):  # float32 arithmetic (model_dtype: see Format.quantize)
         out, inp = w.shape
