@@ -60,9 +60,25 @@ def offset(bits: int) -> int:
 
 
 def pack_ct(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """compressed-tensors `weight_packed`: signed q [out, in] -> int32 [out, ceil(in*bits/32)]. Rows are packed a
-    block at a time (the same words): pack_words' int64 temporaries are ~8x the block, not 8x a 14336x4096 weight."""
-    rows = max(1, (8 << 20) // max(1, q.shape[-1]))
+    """compressed-tensors `weight_packed`: signed q [out, in] -> int32 [out, ceil(in*bits/32)]. On a little-endian
+    host a word's bytes hold its slots in order (slot i at bit bits*i), so the words are built as bytes: q + 2^(bits-1)
+    in uint8 (wrapping), 8/bits values or'ed into each byte, the bytes viewed as int32 (the last word zero-padded as
+    pack_words pads it); uint8 traffic, not pack_words' int64. Elsewhere, pack_words a row block at a time."""
+    rows_, n = q.shape
+    if sys.byteorder == "little" and not 8 % bits and q.dtype == torch.int8:
+        per, n_words = 8 // bits, -(-n * bits // 32)
+        u = q.view(torch.uint8) + offset(bits)  # uint8 arithmetic wraps: -8 + 8 -> 0, 7 + 8 -> 15
+        pad = n_words * 4 * per - n
+        if pad:
+            u = torch.cat([u, u.new_zeros(rows_, pad)], dim=1)
+        if per > 1:
+            u = u.reshape(rows_, -1, per)
+            b = u[:, :, 0] & ((1 << bits) - 1)
+            for i in range(1, per):
+                b |= (u[:, :, i] & ((1 << bits) - 1)) << (bits * i)
+            u = b
+        return u.contiguous().view(torch.int32).reshape(rows_, n_words)
+    rows = max(1, (8 << 20) // max(1, n))
     if q.shape[0] <= rows:
         return pack_words(q.to(torch.int64) + offset(bits), bits)
     return torch.cat([pack_words(q[r:r + rows].to(torch.int64) + offset(bits), bits) for r in range(0, q.shape[0], rows)])

@@ -61,3 +61,16 @@ def test_matches_compressed_tensors(bits):
     assert torch.equal(unpack_from_int32(pack_ct(q, bits), bits, q.shape, packed_dim=1).to(torch.int8), q)
     z = torch.randint(lo, hi + 1, (16, 3), generator=g, dtype=torch.int8)
     assert torch.equal(pack_ct_zero_point(z, bits), pack_to_int32(z, bits, packed_dim=0))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [512, 100, 36, 8, 3])
+def test_byte_packing_gives_pack_words_words(bits, n):
+    """pack_ct builds the words as bytes (little-endian hosts): the words pack_words' int64 arithmetic gives, the
+    last one zero-padded when n does not fill it, and every value from the edges of the signed range."""
+    from qtk.quant.pack import offset
+
+    g = torch.Generator().manual_seed(n * bits)
+    q = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (37, n), dtype=torch.int8, generator=g)
+    q[0, : min(n, 2)] = torch.tensor([-(2 ** (bits - 1)), 2 ** (bits - 1) - 1][: min(n, 2)], dtype=torch.int8)
+    assert torch.equal(pack_ct(q, bits), pack_words(q.to(torch.int64) + offset(bits), bits))
