@@ -217,7 +217,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
     import torch
 
     from qtk.io.safetensors import as_tensor
-    from qtk.pipeline import relative_error
+    from qtk.quant.error import relative_error
 
     rep = CheckReport()
     cfg_problems = config_problems(ck.hf_config)

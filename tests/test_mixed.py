@@ -49,7 +49,7 @@ class Stats:
 
 def per_module_rtn(source, recipe, calib_ids, sinks, *, batch_size=8, on_layer=None, resume=None):
     """qtk.pipeline.run for a data-free recipe, each Linear in its own scheme (round-to-nearest, as `rtn` does)."""
-    from qtk.pipeline import relative_error
+    from qtk.quant.error import relative_error
     from qtk.pipeline import LayerResult, compute_dtype, target_linears
     from qtk.quant.qtensor import QTensor
 

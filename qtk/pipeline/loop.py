@@ -19,6 +19,7 @@ from qtk.pipeline.capture import capture_layer_inputs
 from qtk.pipeline.device import Activations, activation_budget, compute_dtype, resolve_device
 from qtk.pipeline.memory import map_large_allocations, release_freed_memory
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
+from qtk.quant.error import relative_error
 from qtk.pipeline.targets import check_group_size, target_linears
 from qtk.recipe import Recipe
 from qtk.steps import LOCAL, LayerContext, Phase, Reducer, folded_scales, plan_steps
@@ -26,10 +27,6 @@ from qtk.steps.records import ExpertTokensRecord
 from qtk.steps.smoothing import smoothed_weight
 from qtk.steps.stats import ExpertTokens, KVAmax
 from qtk.steps.swap import swap_in
-
-
-def relative_error(w: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((w.float() - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
@@ -357,11 +354,16 @@ class WriteBehind:
             self.resume.save_layer(result, hidden)
 
     def put(self, result: LayerResult, hidden) -> None:
+        self.call(self._write, result, hidden)
+
+    def call(self, fn: Callable, *args) -> None:
+        """fn(*args) in the writing thread, after what was handed over before it and before what comes after (the
+        data-free stream's passthrough tensors, copied while the first layers are rounded)."""
         self.wait()
         if self.pool is None:
-            self._write(result, hidden)
+            fn(*args)
         else:
-            self.pending = self.pool.submit(self._write, result, hidden)
+            self.pending = self.pool.submit(fn, *args)
 
     def wait(self) -> None:
         if self.pending is not None:

@@ -16,6 +16,7 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.model.simulate import engine_weight
+from qtk.quant.error import ErrorSum
 from qtk.pipeline.device import compute_dtype, resolve_device
 from qtk.pipeline.memory import map_large_allocations, release_freed_memory
 from qtk.pipeline.loop import (WriteBehind, background, check_finite, replay_layers, runnable_steps,
@@ -105,52 +106,56 @@ class _LayerReader:
             self.cond.notify_all()
 
 
+class _Measure:
+    """rtn.Measure for the stream: each weight's relative error against its float32 source rows (qtk.quant.error,
+    summed block by block as the rows are rounded: the figure relative_error gives the whole weight), its max |w| from
+    min/max passes over the decoded blocks (NaN when present), and, with a CRC-32 of the QTensor, what the
+    self-check needs (qtk.pipeline.result.Measured)."""
+
+    def __init__(self, prefix: str, measured: dict | None):
+        self.prefix, self.measured = prefix, measured
+        self.errors: dict[str, float] = {}
+        self.sums: dict[str, tuple] = {}  # name -> (ErrorSum, min, max) while the weight is rounded
+
+    def block(self, name: str, r0: int, w32: torch.Tensor, qt) -> None:
+        if not torch.isfinite(qt.scale).all():
+            raise UsageError(f"tensor {self.prefix + name}.weight contains NaN or Inf values",
+                             "the source checkpoint is corrupt; fix or re-download it")
+        decoded = engine_weight(qt)
+        lo, hi = torch.aminmax(decoded) if decoded.numel() else (torch.zeros(()), torch.zeros(()))
+        err, plo, phi = self.sums.get(name) or (ErrorSum(), lo, hi)
+        err.add(decoded, w32)
+        self.sums[name] = (err, torch.minimum(plo, lo), torch.maximum(phi, hi))
+
+    def done(self, name: str, qt) -> None:
+        from qtk.pipeline.result import Measured
+        from qtk.quant.qtensor import qtensor_digest
+
+        err, lo, hi = self.sums.pop(name)
+        key = self.prefix + name
+        self.errors[key] = err.value()
+        if self.measured is not None:
+            self.measured[key] = Measured(qtensor_digest(qt.to(torch.device("cpu"))), self.errors[key],
+                                          max(-float(lo), float(hi)))
+
+
 def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor], targets: list[str],
                  measured: dict | None = None) -> LayerResult:
     """The LayerResult of layer i from its tensors (relative name -> tensor in the compute dtype). measured: filled
     with what the self-check needs of each quantized Linear (qtk.pipeline.result.Measured), taken from the one dequantization
     that gives its error, so the check need not read the source or dequantize again."""
-    from qtk.pipeline.result import Measured
-    from qtk.quant.qtensor import qtensor_digest
-
     arch, dtype, prefix = source.arch, source.dtype, source.layer_prefix(i)
-    # model-dtype weights: rtn_weights makes each one's float32 copy where it rounds it, one at a time, and hands
-    # it to `measure` with its QTensor while it is alive: one dequantization gives the error and the self-check's figures
+    # model-dtype weights: rtn_weights copies each to float32 a row block at a time where it rounds it (one whole copy
+    # where the scheme rounds whole) and shows `measure` each block with its QTensor while both are hot in cache: the
+    # one dequantization gives the error and the self-check's figures
     weights = {t: tensors.pop(t + ".weight") for t in targets}
     schemes = {t: recipe.scheme_for(prefix + t).weights for t in targets}
-    errors = {}
-    host = torch.device("cpu")
-
-    def measure(t: str, w32: torch.Tensor, qt) -> None:
-        if not torch.isfinite(qt.scale).all():
-            raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
-        # relative_error(engine_weight(qt), w32), and max |w| from min/max passes (NaN in both when present), with one
-        # float32 buffer beside w32: the difference made in place, or, for a weight rounded row by row (rtn.row_block),
-        # decoded a row block at a time into it. The same values, so the same figures.
-        rows = rtn.row_block(qt.scheme, qt.shape)
-        if rows is None:
-            diff = engine_weight(qt)
-            if diff.data_ptr() in (w32.data_ptr(), qt.values.data_ptr()):
-                diff = diff.clone()
-            lo, hi = torch.aminmax(diff) if diff.numel() else (torch.zeros(()), torch.zeros(()))
-            diff.sub_(w32)
-        else:
-            diff, lo, hi = torch.empty_like(w32), None, None
-            for r in range(0, w32.shape[0], rows):
-                block = engine_weight(rtn.row_slice(qt, r, r + rows))
-                blo, bhi = torch.aminmax(block)
-                lo, hi = (blo, bhi) if lo is None else (torch.minimum(lo, blo), torch.maximum(hi, bhi))
-                torch.sub(block, w32[r:r + rows], out=diff[r:r + rows])
-                del block
-        errors[prefix + t] = float(diff.norm() / w32.norm().clamp_min(1e-12))
-        del diff
-        if measured is not None:
-            measured[prefix + t] = Measured(qtensor_digest(qt.to(host)), errors[prefix + t], max(-float(lo), float(hi)))
-
+    measure = _Measure(prefix, measured)
     # each source weight leaves `tensors` here and `weights` when rounded (consume): freed then, so the layer's
     # model-dtype bytes shrink as it is rounded and the read ahead of the next layer fills the room
     qweights = rtn.rtn_weights(weights, schemes, arch, dtype, measure, consume=True)
-    errors = {prefix + t: errors[prefix + t] for t in qweights}  # in the QTensors' order, as before
+    errors = {prefix + t: measure.errors[prefix + t] for t in qweights}  # in the QTensors' order, as before
+    host = torch.device("cpu")
     dense = {prefix + k: v.detach().to(dtype).to(host) for k, v in tensors.items()}
     return LayerResult(index=i, qweights={prefix + t: q.to(host) for t, q in qweights.items()}, dense=dense,
                        input_amax={}, k_amax=None, v_amax=None, weight_error=errors, records={},
@@ -166,16 +171,20 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     check_group_size(source, recipe)
     t0 = time.perf_counter()
     skeleton = source.skeleton()  # built and checked before any work already: its layer modules give names and order
-    write_non_layer(source, sinks)  # copied from the source shards in bounded chunks, none held whole
-    stats.timings["capture"] = time.perf_counter() - t0
     n = source.num_layers
     start = min(resume.completed, n) if resume is not None else 0
-    if resume is not None:
+    if resume is not None:  # the sinks see the passthrough tensors, then the layers done before, then the rest
+        write_non_layer(source, sinks)
         replay_layers(resume, start, n, sinks, stats, on_layer)
+    stats.timings["capture"] = time.perf_counter() - t0
     t_layers = time.perf_counter()
     reader = _LayerReader(source, skeleton, device, overlap)
     try:
         with WriteBehind(sinks, resume, overlap) as writer:
+            if resume is None:
+                # copied from the source shards in bounded chunks (none held whole) by the writing thread, first,
+                # while the first layers are read and rounded: disk and CPU overlap
+                writer.call(write_non_layer, source, sinks)
             for i in range(start, n):
                 result = layer_result(source, recipe, i, reader.get(i, n), target_linears(source, recipe, i), stats.measured)
                 stats.record(result)

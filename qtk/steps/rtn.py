@@ -5,10 +5,11 @@ global scale), which the engines require equal across a fused group."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
+from qtk.quant.error import block_rows
 from qtk.quant.formats import format_for
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme
@@ -17,16 +18,15 @@ from qtk.steps.context import LayerContext
 from qtk.steps.registry import register_step
 
 
-ROW_BLOCK_BYTES = 32 << 20  # float32 bytes of one row block of a weight rounded a block at a time
-
-
 def row_block(scheme: QuantScheme, shape) -> int | None:
     """Rows per block when `scheme` rounds every row on its own (per-channel or per-group scales from the min-max
     observer, on an int or fp8 grid; MX's E8M0 groups; NVFP4's groups of 16 under a global scale fixed up front from
     the weight's amax: each scale is a min/max over part of one row, each code an elementwise function of the row and
     its scales), so a weight's QTensor is its row blocks' QTensors stacked, bit for bit, and can be made (and
-    decoded) a block at a time without whole-weight float32 temporaries; None otherwise (per-tensor scales, the MSE
-    observer, FP8 blocks) and for weights of one block."""
+    decoded, and its error summed) a block at a time without whole-weight float32 temporaries; None otherwise
+    (per-tensor scales, the MSE observer, FP8 blocks) and for weights of one block. The blocks are the error's
+    (qtk.quant.error.block_rows: ERROR_BLOCK_BYTES of float32, cache-sized), so the error summed block by block as
+    they are rounded is the figure of the whole weight, bit for bit."""
     from qtk.quant.formats.grouped import GroupedFormat
     from qtk.quant.formats.mx import MXFormat
     from qtk.quant.formats.nvfp4 import NVFP4Format
@@ -36,27 +36,43 @@ def row_block(scheme: QuantScheme, shape) -> int | None:
                and isinstance(fmt, (GroupedFormat, MXFormat)))
     if not per_row or scheme.observer != "minmax" or len(shape) != 2:
         return None
-    rows = max(1, ROW_BLOCK_BYTES // max(1, 4 * int(shape[1])))
+    rows = block_rows(shape)
     return rows if rows < shape[0] else None
 
 
-def quantize_rows(w32: torch.Tensor, scheme: QuantScheme, dtype, rows: int,
-                  extra: dict[str, torch.Tensor] | None = None) -> QTensor:
-    """QTensor.quantize(w32, scheme, dtype), `rows` rows at a time (for a scheme row_block accepts): the same tensors.
-    A format's tensor-wide part (NVFP4's global scale) is fixed first, from the whole weight's min/max, or given in
-    `extra` (a fusion group's, Format.shared_extra), and every block rounded under it."""
+class Measure(Protocol):
+    """What a caller of rtn_weights is shown of each weight as it is rounded (the data-free stream's error and
+    self-check figures): the float32 source rows and their QTensor, block by block (r0: the first row; one call
+    with the whole weight when it is rounded whole), then the whole QTensor."""
+
+    def block(self, name: str, r0: int, w32: torch.Tensor, qt: QTensor) -> None: ...
+
+    def done(self, name: str, qt: QTensor) -> None: ...
+
+
+def quantize_rows(w: torch.Tensor, scheme: QuantScheme, dtype, rows: int,
+                  extra: dict[str, torch.Tensor] | None = None,
+                  on_block: Callable[[int, torch.Tensor, QTensor], None] | None = None) -> QTensor:
+    """QTensor.quantize(w.float(), scheme, dtype), `rows` rows at a time (for a scheme row_block accepts): the same
+    tensors. w may be in the model dtype: each block is copied to float32 where it is rounded (a cache-sized
+    copy, never the whole weight's). A format's tensor-wide part (NVFP4's global scale) is fixed first, from the
+    whole weight's min/max, or given in `extra` (a fusion group's, Format.shared_extra), and every block rounded
+    under it. on_block(r0, w32_block, qt_block), when given, sees each block while it is hot in cache."""
     fmt = format_for(scheme)
     if extra is None and fmt.tensor_wide(scheme):
-        extra = fmt.shared_extra([w32], scheme, dtype)
-    values = torch.empty(w32.shape, dtype=fmt.storage_dtype(scheme), device=w32.device)
+        extra = fmt.shared_extra([w], scheme, dtype)
+    values = torch.empty(w.shape, dtype=fmt.storage_dtype(scheme), device=w.device)
     scales, zeros = [], []
-    for r in range(0, w32.shape[0], rows):
-        block = w32[r:r + rows]
+    for r in range(0, w.shape[0], rows):
+        block = w[r:r + rows].float()
         qp = fmt.row_qparams(block, scheme, dtype, extra)
-        values[r:r + rows] = fmt.quantize(block, qp, scheme, model_dtype=dtype)
+        v = fmt.quantize(block, qp, scheme, model_dtype=dtype)
+        values[r:r + rows] = v
         scales.append(qp.scale)
         zeros.append(qp.zero_point)
-        del qp
+        if on_block is not None:
+            on_block(r, block, QTensor(v, qp.scale, scheme, qp.zero_point, None, dtype, dict(extra or {})))
+        del qp, v, block
     return QTensor(values, torch.cat(scales), scheme, None if zeros[0] is None else torch.cat(zeros), None, dtype,
                    dict(extra or {}))
 
@@ -69,37 +85,46 @@ def row_slice(qt: QTensor, r0: int, r1: int) -> QTensor:
                    zero_point=None if qt.zero_point is None else qt.zero_point[r0:r1])
 
 
-def _round(w32: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.Tensor] | None = None) -> QTensor:
-    """w32's QTensor (under a fusion group's tensor-wide part `extra`, if given): a row block at a time when the
-    weight is large and its rows round on their own (row_block), so no whole-weight float32 temporaries."""
-    rows = row_block(scheme, w32.shape)
+def _round(w: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.Tensor] | None = None,
+           on_block: Callable[[int, torch.Tensor, QTensor], None] | None = None) -> QTensor:
+    """w's QTensor (w in any float dtype, rounded from its float32 values; under a fusion group's tensor-wide part
+    `extra`, if given): a row block at a time when the weight is large and its rows round on their own
+    (row_block), so no whole-weight float32 temporaries; otherwise from one float32 copy, shown whole to on_block."""
+    rows = row_block(scheme, w.shape)
     if rows is not None:
-        return quantize_rows(w32, scheme, dtype, rows, extra)
+        return quantize_rows(w, scheme, dtype, rows, extra, on_block)
+    w32 = w.float()
     if extra is None:
-        return QTensor.quantize(w32, scheme, dtype)
-    fmt = format_for(scheme)
-    qp = fmt.row_qparams(w32, scheme, dtype, extra)
-    return QTensor.of(fmt.quantize(w32, qp, scheme, model_dtype=dtype), qp, scheme, dtype)
+        qt = QTensor.quantize(w32, scheme, dtype)
+    else:
+        fmt = format_for(scheme)
+        qp = fmt.row_qparams(w32, scheme, dtype, extra)
+        qt = QTensor.of(fmt.quantize(w32, qp, scheme, model_dtype=dtype), qp, scheme, dtype)
+    if on_block is not None:
+        on_block(0, w32, qt)
+    return qt
 
 
 def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme], arch, dtype,
-                measure: Callable[[str, torch.Tensor, QTensor], None] | None = None,
-                consume: bool = False) -> dict[str, QTensor]:
+                measure: Measure | None = None, consume: bool = False) -> dict[str, QTensor]:
     """QTensors of `weights` (relative name -> [out, in]) with their weight schemes (relative name -> scheme; the
     members of a fusion group share theirs); a per-tensor scale is taken over the whole fusion group. Each weight
-    is rounded from its float32 copy, made where it is used, so a caller may pass model-dtype weights and hold one
-    float32 copy at a time (the data-free stream), not one per Linear of the layer. measure(name, w32, qt), when
-    given, is called with each float32 copy and its QTensor while the copy is alive (the stream's error).
+    is rounded from float32 values made where they are used (a row block at a time where row_block allows, else one
+    whole copy at a time), so a caller may pass model-dtype weights (the data-free stream). measure (Measure), when
+    given, sees each weight's float32 rows and their QTensor while they are alive, then the whole QTensor.
     consume: each weight is removed from `weights` once its QTensor is made, so a caller that holds it nowhere else
     frees it then (the stream: a layer's source weights go one by one, not at the end of the layer)."""
     out: dict[str, QTensor] = {}
 
-    def done(m: str, w32: torch.Tensor, qt: QTensor) -> None:
+    def shown(m: str):
+        return None if measure is None else (lambda r0, w32, qt: measure.block(m, r0, w32, qt))
+
+    def done(m: str, qt: QTensor) -> None:
         out[m] = qt
         if consume:
             del weights[m]
         if measure is not None:
-            measure(m, w32, qt)
+            measure.done(m, qt)
 
     for g in arch.fusion_groups:
         members = [m for m in g if m in weights]
@@ -111,23 +136,21 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
             del joint
             for m in members:
                 w32 = weights[m].float()
-                done(m, w32, QTensor.of(fmt.quantize(w32, qp, scheme, model_dtype=dtype), qp, scheme, dtype))
+                qt = QTensor.of(fmt.quantize(w32, qp, scheme, model_dtype=dtype), qp, scheme, dtype)
+                if measure is not None:
+                    measure.block(m, 0, w32, qt)
                 del w32  # before the next copy is made
+                done(m, qt)
         elif len(members) > 1:  # a tensor-wide part the fused GEMM shares (NVFP4's global scale), from the joint weights
             scheme = schemes[members[0]]
             fmt = format_for(scheme)
             # min/max passes over the weights as given (model dtype in the stream): no float32 copy of any member yet
             extra = fmt.shared_extra([weights[m] for m in members], scheme, dtype)
             for m in members if extra is not None else ():
-                w32 = weights[m].float()
-                done(m, w32, _round(w32, scheme, dtype, extra))
-                del w32  # before the next copy is made
+                done(m, _round(weights[m], scheme, dtype, extra, shown(m)))
     for name in list(weights):  # names only: no reference to a weight beyond its own turn
         if name not in out:
-            w32 = weights[name].float()
-            qt = _round(w32, schemes[name], dtype)
-            done(name, w32, qt)
-            del w32, qt
+            done(name, _round(weights[name], schemes[name], dtype, on_block=shown(name)))
     return out
 
 

@@ -207,17 +207,21 @@ def test_row_blocks_round_and_measure_as_the_whole_weight(recipe, tmp_path, monk
     assert torch.equal(whole.values, blocked.values) and torch.equal(whole.scale, blocked.scale)
     assert (whole.zero_point is None) == (blocked.zero_point is None) and qtensor_digest(whole) == qtensor_digest(blocked)
 
+    import qtk.quant.error as error
+
     model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
     assert rtn.row_block(scheme, (256, 128)) is None  # a tiny model's weights are one block: rounded whole
     a = run_data_free(ModelSource(model), r, [Keep()])
-    monkeypatch.setattr(rtn, "ROW_BLOCK_BYTES", 3 * 4 * 256)  # 3 rows of the widest input (down_proj), 6 of the others
+    monkeypatch.setattr(error, "ERROR_BLOCK_BYTES", 3 * 4 * 256)  # 3 rows of the widest input (down_proj), 6 of the others
     assert rtn.row_block(scheme, (256, 128)) == 6
     kb = Keep()
     b = run_data_free(ModelSource(model), r, [kb])
-    assert a.weight_error == b.weight_error and a.measured == b.measured
-    monkeypatch.setattr(rtn, "ROW_BLOCK_BYTES", 1 << 40)
+    # the same QTensors and max |w| as rounded whole; the error summed in other blocks: the same figure to float rounding
+    assert {k: (m.digest, m.amax) for k, m in a.measured.items()} == {k: (m.digest, m.amax) for k, m in b.measured.items()}
+    assert a.weight_error == pytest.approx(b.weight_error, rel=1e-5, abs=0) and a.weight_error != b.weight_error
     ka = Keep()
-    run(ModelSource(model), r, None, [ka])  # the module loop, rounding whole
+    loop = run(ModelSource(model), r, None, [ka])  # the module loop: float32 weights, relative_error on the whole
+    assert loop.weight_error == b.weight_error  # bit for bit: the blocks the stream summed as it rounded them
     for x, y in zip(ka.layers, kb.layers):
         for k, q in x.qweights.items():
             assert qtensor_digest(q) == qtensor_digest(y.qweights[k]), k
