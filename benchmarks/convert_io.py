@@ -9,7 +9,8 @@ data-free recipes), and the conversion's peak host memory.
 
 The I/O floor is measured on the same files: every source tensor read into memory (safetensors),
 then the converted checkpoint's tensors written once with safetensors and fsync'd. Page cache is
-warm for both (the source is read once before timing). `convert_s` is the manifest's total (process
+warm for both (the source is read once before timing), and each starts after os.sync() with no earlier output left
+to delete, so neither pays for the other's write-back. `convert_s` is the manifest's total (process
 start-up excluded); `prepare_s` is its part that opens the model (imports, config, the meta skeleton),
 which does not grow with the model, so `ratio_after_prepare` is what the ratio tends to on large models.
 `peak_rss_mb` is the kernel's ru_maxrss of the conversion process (file pages of the mmap'd source it
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -132,6 +134,10 @@ def main():
             conv, prep, floors, walls, rss, timings, loads = [], [], [], [], [], [], []
             for r in range(a.repeats):
                 out = td / "o"
+                # each timed step starts with no earlier output to delete (--overwrite would time its unlink) and no
+                # dirty pages of an earlier step still being written back (the disk's write-back throttles writers)
+                shutil.rmtree(out, ignore_errors=True)
+                os.sync()
                 loads.append(os.getloadavg()[0])  # the machine's load beside the numbers (a shared machine)
                 wall, peak = run_measured([qtk_exe(), "convert", str(m), "--recipe", recipe, "-o", str(out), "--overwrite", *extra])
                 # the conversion itself, as the manifest times it (process start-up and imports excluded)
@@ -141,6 +147,7 @@ def main():
                 timings.append(t)
                 walls.append(wall)
                 rss.append(peak)
+                os.sync()
                 floors.append(io_floor(m, out / "vllm", td))
             ratio = median(conv) / median(floors)
             after = (median(conv) - median(prep)) / median(floors)
