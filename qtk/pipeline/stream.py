@@ -117,11 +117,11 @@ class _Measure:
         self.errors: dict[str, float] = {}
         self.sums: dict[str, tuple] = {}  # name -> (ErrorSum, min, max) while the weight is rounded
 
-    def block(self, name: str, r0: int, w32: torch.Tensor, qt) -> None:
+    def block(self, name: str, r0: int, w32: torch.Tensor, qt, decoded: torch.Tensor | None = None) -> None:
         if not torch.isfinite(qt.scale).all():
             raise UsageError(f"tensor {self.prefix + name}.weight contains NaN or Inf values",
                              "the source checkpoint is corrupt; fix or re-download it")
-        decoded = engine_weight(qt)
+        decoded = engine_weight(qt) if decoded is None else decoded
         lo, hi = torch.aminmax(decoded) if decoded.numel() else (torch.zeros(()), torch.zeros(()))
         err, plo, phi = self.sums.get(name) or (ErrorSum(), lo, hi)
         err.add(decoded, w32)

@@ -32,16 +32,46 @@ def e2m1_table(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
 
 
 def fp4_encode(x: torch.Tensor) -> torch.Tensor:
-    """Nearest e2m1 code of each (already scaled) value, ties to even, saturating at ±6: uint8 [*] in 0..15."""
+    """Nearest e2m1 code of each (already scaled) value, ties to even, saturating at ±6: uint8 [*] in 0..15.
+    One bool buffer for the seven threshold tests, read as uint8 (a view, no cast) and summed into the codes."""
     a = x.float().abs()
-    mag = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    test = torch.empty(a.shape, dtype=torch.bool, device=x.device)
+    mag = None
     for mid, tie_up in _MIDPOINTS:
-        mag += (a >= mid if tie_up else a > mid).to(torch.uint8)
-    return mag | (x < 0).to(torch.uint8) << 3
+        (torch.ge if tie_up else torch.gt)(a, mid, out=test)
+        mag = test.view(torch.uint8).clone() if mag is None else mag.add_(test.view(torch.uint8))
+    torch.lt(x, 0, out=test)
+    return mag.bitwise_or_(test.view(torch.uint8).bitwise_left_shift(3))
+
+
+_checked: list[bool] = []
+
+
+def _decode_bits(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 bits s.ee.m moved to bf16's sign (bit 15) and bits 8..6 are a bf16 of the code's value times 2^-126
+    (normal and subnormal codes alike), so one exact multiply gives the value: int16 arithmetic, no gather."""
+    b = codes.to(torch.int16)
+    v = (b & 8).bitwise_left_shift_(12).bitwise_or_((b & 7).bitwise_left_shift_(6))
+    return v.view(torch.bfloat16).float().mul_(2.0 ** 126)
+
+
+def _bits_hold() -> bool:
+    """Whether _decode_bits gives the table's values here (not where denormals are flushed), checked once on a
+    tile large enough for torch to split over its threads."""
+    if not _checked:
+        tile = torch.arange(16, dtype=torch.uint8).repeat(1 << 14)
+        want = e2m1_table()[tile.long()]
+        got = _decode_bits(tile)
+        _checked.append(torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)))
+    return _checked[0]
 
 
 def fp4_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values of e2m1 codes (uint8 [*], 0..15) -> dtype [*]."""
+    if codes.device.type == "cpu" and codes.dtype == torch.uint8 and codes.numel() and _bits_hold():
+        if int(codes.max()) <= 15:  # a byte that is no code (a corrupt tensor) takes the table's error
+            out = _decode_bits(codes)
+            return out if dtype == torch.float32 else out.to(dtype)
     return e2m1_table(dtype, codes.device)[codes.long()]
 
 

@@ -45,34 +45,39 @@ class Measure(Protocol):
     self-check figures): the float32 source rows and their QTensor, block by block (r0: the first row; one call
     with the whole weight when it is rounded whole), then the whole QTensor."""
 
-    def block(self, name: str, r0: int, w32: torch.Tensor, qt: QTensor) -> None: ...
+    def block(self, name: str, r0: int, w32: torch.Tensor, qt: QTensor, decoded: torch.Tensor | None = None) -> None:
+        """decoded: the engine's float32 decode of qt (engine_weight), when the rounding made it on the way."""
 
     def done(self, name: str, qt: QTensor) -> None: ...
 
 
 def quantize_rows(w: torch.Tensor, scheme: QuantScheme, dtype, rows: int,
                   extra: dict[str, torch.Tensor] | None = None,
-                  on_block: Callable[[int, torch.Tensor, QTensor], None] | None = None) -> QTensor:
+                  on_block: Callable[..., None] | None = None) -> QTensor:
     """QTensor.quantize(w.float(), scheme, dtype), `rows` rows at a time (for a scheme row_block accepts): the same
     tensors. w may be in the model dtype: each block is copied to float32 where it is rounded (a cache-sized
     copy, never the whole weight's). A format's tensor-wide part (NVFP4's global scale) is fixed first, from the
     whole weight's min/max, or given in `extra` (a fusion group's, Format.shared_extra), and every block rounded
-    under it. on_block(r0, w32_block, qt_block), when given, sees each block while it is hot in cache."""
+    under it. on_block(r0, w32_block, qt_block, decoded), when given, sees each block while it is hot in cache;
+    then a block of a model-dtype weight is rounded in the model dtype where the format gives the same bits that
+    way (Format.quantize_decoded, which also hands over the engine's decode: decoded, else None)."""
     fmt = format_for(scheme)
     if extra is None and fmt.tensor_wide(scheme):
         extra = fmt.shared_extra([w], scheme, dtype)
     values = torch.empty(w.shape, dtype=fmt.storage_dtype(scheme), device=w.device)
     scales, zeros = [], []
     for r in range(0, w.shape[0], rows):
-        block = w[r:r + rows].float()
+        rows_in = w[r:r + rows]
+        block = rows_in.float()
         qp = fmt.row_qparams(block, scheme, dtype, extra)
-        v = fmt.quantize(block, qp, scheme, model_dtype=dtype)
+        fast = fmt.quantize_decoded(rows_in, qp, scheme, dtype) if on_block is not None else None
+        v, decoded = fast if fast is not None else (fmt.quantize(block, qp, scheme, model_dtype=dtype), None)
         values[r:r + rows] = v
         scales.append(qp.scale)
         zeros.append(qp.zero_point)
         if on_block is not None:
-            on_block(r, block, QTensor(v, qp.scale, scheme, qp.zero_point, None, dtype, dict(extra or {})))
-        del qp, v, block
+            on_block(r, block, QTensor(v, qp.scale, scheme, qp.zero_point, None, dtype, dict(extra or {})), decoded)
+        del qp, v, block, decoded
     return QTensor(values, torch.cat(scales), scheme, None if zeros[0] is None else torch.cat(zeros), None, dtype,
                    dict(extra or {}))
 
@@ -86,7 +91,7 @@ def row_slice(qt: QTensor, r0: int, r1: int) -> QTensor:
 
 
 def _round(w: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.Tensor] | None = None,
-           on_block: Callable[[int, torch.Tensor, QTensor], None] | None = None) -> QTensor:
+           on_block: Callable[..., None] | None = None) -> QTensor:
     """w's QTensor (w in any float dtype, rounded from its float32 values; under a fusion group's tensor-wide part
     `extra`, if given): a row block at a time when the weight is large and its rows round on their own
     (row_block), so no whole-weight float32 temporaries; otherwise from one float32 copy, shown whole to on_block."""
@@ -117,7 +122,7 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
     out: dict[str, QTensor] = {}
 
     def shown(m: str):
-        return None if measure is None else (lambda r0, w32, qt: measure.block(m, r0, w32, qt))
+        return None if measure is None else (lambda r0, w32, qt, decoded=None: measure.block(m, r0, w32, qt, decoded))
 
     def done(m: str, qt: QTensor) -> None:
         out[m] = qt

@@ -77,3 +77,18 @@ def test_matches_compressed_tensors(dtype):
     packed = pack_fp4(fp4_encode(x))
     assert torch.equal(packed, pack_fp4_to_uint8(theirs))
     assert torch.equal(fp4_decode(unpack_fp4(packed)).to(torch.bfloat16), unpack_fp4_from_uint8(packed, *x.shape))
+
+
+def test_decode_by_bit_arithmetic_is_the_table_code_for_code():
+    """fp4_decode's int16 path (qtk.quant.fp4._decode_bits): every code's value and sign (-0.0 for code 8) as the
+    lookup table gives them, in any shape and dtype asked for."""
+    import torch
+
+    from qtk.quant.fp4 import _decode_bits, e2m1_table, fp4_decode
+
+    codes = torch.arange(16, dtype=torch.uint8)
+    got, want = _decode_bits(codes), e2m1_table()
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    c = torch.randint(0, 16, (33, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fp4_decode(c), want[c.long()]) and fp4_decode(c).shape == (33, 64)
+    assert torch.equal(fp4_decode(c, torch.bfloat16), want.bfloat16()[c.long()])

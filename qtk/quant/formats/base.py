@@ -75,6 +75,13 @@ class Format:
         """float32 [out, in] from stored values; g_idx [in] maps each input column to its group (act-order)."""
         raise NotImplementedError
 
+    def quantize_decoded(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme,
+                         model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(quantize(w.float(), qp, scheme, model_dtype), the engine's float32 decode of those values, i.e.
+        qtk.model.simulate.engine_weight) from w [rows, in] given in the model dtype, computed in that dtype where
+        that gives the same bits with fewer passes (the data-free stream's fast path); None where it does not."""
+        return None
+
     def tensor_wide(self, scheme: QuantScheme) -> bool:
         """Whether qparams hold a tensor-wide part beyond the per-group scales (NVFP4's global scale), which GPTQ fixes
         before its column loop and fusion groups share."""

@@ -156,6 +156,28 @@ class GroupedFormat(Format):
                                   self.quotient_dtype(model_dtype))
         return q.reshape(w.shape).to(self.storage_dtype(scheme))
 
+    def quantize_decoded(self, w: torch.Tensor, qp: QParams, scheme: QuantScheme,
+                         model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """In a bf16 / fp16 model's own dtype: quantize() rounds the float32 quotient w / s to that dtype (the
+        reference quantizers divide half tensors), and each later step is exact there (integer codes up to 256 for
+        round, clamp and the zero point's add; fp8's clamp), so dividing the half weight by the half scale gives the
+        same values without a float32 pass. The engine's decode of an int format is (q - z)·s rounded once to the
+        model dtype, which the half ops give too ((q - z) has <= 9 bits, s 8 or 11: the float product is exact);
+        fp8's is q·s in float32 (exact). Per-channel and per-group scales only."""
+        if (w.dtype != model_dtype or self.quotient_dtype(model_dtype) != model_dtype
+                or scheme.strategy not in ("channel", "group") or w.dim() != 2):
+            return None
+        wg = grouped(w, scheme)
+        s = regroup(qp.scale, w.shape, scheme).to(model_dtype)
+        z = None if qp.zero_point is None else regroup(qp.zero_point, w.shape, scheme).to(model_dtype)
+        q = self.quantize_grouped(wg, s, z, scheme, None)  # half in, half arithmetic
+        values = q.reshape(w.shape).to(self.storage_dtype(scheme))
+        if self.decodes_in_model_dtype(scheme):
+            decoded = (q if z is None else q.sub_(z)).mul_(s).float()
+        else:
+            decoded = dequantize_grouped(values.reshape(wg.shape), s.float(), None if z is None else z.float())
+        return values, decoded.reshape(w.shape)
+
     def dequantize(self, values: torch.Tensor, qp: QParams, scheme: QuantScheme,
                    g_idx: torch.Tensor | None = None) -> torch.Tensor:
         scale, zero = qp.scale, qp.zero_point
