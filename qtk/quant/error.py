@@ -15,10 +15,13 @@ ERROR_BLOCK_BYTES = 2 << 20  # float32 bytes per block
 
 
 def block_rows(shape) -> int:
-    """Rows (of the last dimension) per block of a tensor of `shape`: the whole of a 0-/1-D tensor."""
+    """Rows (of the last dimension) per block of a tensor of `shape`, a power of two (so a slab of rows a format
+    must round together, FP8's 128-row blocks, is a whole number of blocks, or a block a whole number of slabs):
+    the whole of a 0-/1-D tensor."""
     if len(shape) < 2:
         return 1
-    return max(1, ERROR_BLOCK_BYTES // max(1, 4 * int(shape[-1])))
+    rows = max(1, ERROR_BLOCK_BYTES // max(1, 4 * int(shape[-1])))
+    return 1 << (rows.bit_length() - 1)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

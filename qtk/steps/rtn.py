@@ -23,20 +23,28 @@ def row_block(scheme: QuantScheme, shape) -> int | None:
     observer, on an int or fp8 grid; MX's E8M0 groups; NVFP4's groups of 16 under a global scale fixed up front from
     the weight's amax: each scale is a min/max over part of one row, each code an elementwise function of the row and
     its scales), so a weight's QTensor is its row blocks' QTensors stacked, bit for bit, and can be made (and
-    decoded, and its error summed) a block at a time without whole-weight float32 temporaries; None otherwise
-    (per-tensor scales, the MSE observer, FP8 blocks) and for weights of one block. The blocks are the error's
-    (qtk.quant.error.block_rows: ERROR_BLOCK_BYTES of float32, cache-sized), so the error summed block by block as
-    they are rounded is the figure of the whole weight, bit for bit."""
+    decoded, and its error summed) a block at a time without whole-weight float32 temporaries; FP8 blocks (a
+    scale per 128 x 128 tile) likewise in slabs of whole tile rows. None otherwise (per-tensor scales, the MSE
+    observer) and for weights of one block. The blocks are the error's (qtk.quant.error.block_rows:
+    ERROR_BLOCK_BYTES of float32, cache-sized, a power of two; a tile row when that is taller), so the error summed
+    block by block as they are rounded is the figure of the whole weight, bit for bit."""
+    from qtk.quant.formats.fp8_block import FP8BlockFormat
     from qtk.quant.formats.grouped import GroupedFormat
     from qtk.quant.formats.mx import MXFormat
     from qtk.quant.formats.nvfp4 import NVFP4Format
 
     fmt = format_for(scheme)
-    per_row = (isinstance(fmt, NVFP4Format) or scheme.strategy in ("channel", "group")
-               and isinstance(fmt, (GroupedFormat, MXFormat)))
-    if not per_row or scheme.observer != "minmax" or len(shape) != 2:
+    if scheme.observer != "minmax" or len(shape) != 2:
         return None
     rows = block_rows(shape)
+    if isinstance(fmt, FP8BlockFormat) and scheme.block_structure is not None:
+        tile = int(scheme.block_structure[0])
+        if tile & (tile - 1):  # not a power of two: no slab is a whole number of error blocks
+            return None
+        rows = max(rows, tile)
+    elif not (isinstance(fmt, NVFP4Format) or scheme.strategy in ("channel", "group")
+              and isinstance(fmt, (GroupedFormat, MXFormat))):
+        return None
     return rows if rows < shape[0] else None
 
 
@@ -80,14 +88,6 @@ def quantize_rows(w: torch.Tensor, scheme: QuantScheme, dtype, rows: int,
         del qp, v, block, decoded
     return QTensor(values, torch.cat(scales), scheme, None if zeros[0] is None else torch.cat(zeros), None, dtype,
                    dict(extra or {}))
-
-
-def row_slice(qt: QTensor, r0: int, r1: int) -> QTensor:
-    """Rows r0:r1 of a QTensor whose scheme row_block accepts (its scale and zero point are per row)."""
-    from dataclasses import replace
-
-    return replace(qt, values=qt.values[r0:r1], scale=qt.scale[r0:r1],
-                   zero_point=None if qt.zero_point is None else qt.zero_point[r0:r1])
 
 
 def _round(w: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.Tensor] | None = None,

@@ -212,8 +212,8 @@ def test_row_blocks_round_and_measure_as_the_whole_weight(recipe, tmp_path, monk
     model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
     assert rtn.row_block(scheme, (256, 128)) is None  # a tiny model's weights are one block: rounded whole
     a = run_data_free(ModelSource(model), r, [Keep()])
-    monkeypatch.setattr(error, "ERROR_BLOCK_BYTES", 3 * 4 * 256)  # 3 rows of the widest input (down_proj), 6 of the others
-    assert rtn.row_block(scheme, (256, 128)) == 6
+    monkeypatch.setattr(error, "ERROR_BLOCK_BYTES", 5 * 4 * 256)  # 4 rows of the widest input (down_proj), 8 of the others
+    assert rtn.row_block(scheme, (256, 128)) == 8  # (10 rows' bytes: the power of two below)
     kb = Keep()
     b = run_data_free(ModelSource(model), r, [kb])
     # the same QTensors and max |w| as rounded whole; the error summed in other blocks: the same figure to float rounding
@@ -225,6 +225,37 @@ def test_row_blocks_round_and_measure_as_the_whole_weight(recipe, tmp_path, monk
     for x, y in zip(ka.layers, kb.layers):
         for k, q in x.qweights.items():
             assert qtensor_digest(q) == qtensor_digest(y.qweights[k]), k
+
+
+def test_fp8_blocks_round_in_slabs_of_whole_tile_rows(tmp_path, monkeypatch):
+    """FP8 128x128 blocks are rounded a slab of tile rows at a time (each tile's scale lies inside one slab): the
+    whole weight's QTensor bit for bit, on ragged shapes too (a partial last tile row or column), and the stream
+    (slabs) writes what the module loop (whole weights) writes."""
+    import torch
+
+    from qtk.quant.qtensor import QTensor, qtensor_digest
+    from qtk.steps import rtn
+
+    scheme = load_recipe("fp8-block").scheme_for("model.layers.0.mlp.down_proj").weights
+    for shape in [(600, 256), (1000, 200), (384, 576)]:
+        w = (torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 0.05).bfloat16()
+        whole = QTensor.quantize(w.float(), scheme, torch.bfloat16)
+        for rows in (128, 256):
+            assert qtensor_digest(rtn.quantize_rows(w, scheme, torch.bfloat16, rows)) == qtensor_digest(whole)
+    assert rtn.row_block(scheme, (14336, 4096)) == 128 and rtn.row_block(scheme, (4096, 14336)) == 128
+    assert rtn.row_block(scheme, (128, 4096)) is None  # one tile row: rounded whole
+    import qtk.quant.error as error
+
+    model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=384)
+    monkeypatch.setattr(error, "ERROR_BLOCK_BYTES", 64 * 4 * 128)  # error blocks of 64 rows: slabs of one tile row
+    a, b = Keep(), Keep()
+    run(ModelSource(model), load_recipe("fp8-block"), None, [a])
+    stats = run_data_free(ModelSource(model), load_recipe("fp8-block"), [b])
+    assert any(rtn.row_block(scheme, q.shape) for r in b.layers for q in r.qweights.values())  # slabs were used
+    for x, y in zip(a.layers, b.layers):
+        assert {k: qtensor_digest(q) for k, q in x.qweights.items()} == {k: qtensor_digest(q) for k, q in y.qweights.items()}
+        assert x.weight_error == y.weight_error
+    assert set(stats.measured) == {k for r in b.layers for k in r.qweights}
 
 
 def test_packing_in_row_blocks_gives_the_same_words():
