@@ -155,6 +155,7 @@ def main():
                               "io_floor_s": median(floors), "ratio": ratio, "ratio_after_prepare": after,
                               "peak_rss_mb": median(rss) / 1e6, "output_mb": dir_bytes(out / "vllm") / 1e6,
                               "load_avg_1min": max(loads + [os.getloadavg()[0]]), "cpus": os.cpu_count(),
+                              "runs": [{"convert_s": c, "io_floor_s": f, "prepare_s": p} for c, f, p in zip(conv, floors, prep)],
                               "timings": {k: median([x.get(k, 0.0) for x in timings]) for k in timings[0]}}
             print(f"{label:24s} convert {median(conv):6.2f}s (of it prepare {median(prep):.2f}s; process {median(walls):.2f}s "
                   f"incl. imports), read+write once {median(floors):6.2f}s, ratio {ratio:5.2f} ({after:5.2f} after prepare), "

@@ -90,13 +90,16 @@ def unpack_ct(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor
     every written Linear in the convert self-check runs through here."""
     if sys.byteorder != "little" or 8 % bits:
         return (unpack_words(packed, bits, in_features) - offset(bits)).to(torch.int8)
-    per = 8 // bits
-    b = packed.contiguous().view(torch.uint8)
-    if per > 1:
-        shifts = torch.arange(per, dtype=torch.uint8) * bits
-        b = (b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    v = b.reshape(packed.shape[0], -1)[:, :in_features]
-    return (v.view(torch.int8) - offset(bits)) if bits < 8 else (v ^ 0x80).view(torch.int8).contiguous()
+    per, rows = 8 // bits, packed.shape[0]
+    b = packed.contiguous().view(torch.uint8).reshape(rows, -1)
+    if per == 1:
+        return (b[:, :in_features] ^ 0x80).view(torch.int8).contiguous()
+    out = torch.empty(rows, b.shape[1], per, dtype=torch.uint8)  # slot i of each byte, written in place
+    mask = (1 << bits) - 1
+    for i in range(per):
+        torch.bitwise_and(b if i == 0 else b >> (bits * i), mask, out=out[:, :, i])
+    v = out.reshape(rows, -1)[:, :in_features].view(torch.int8)
+    return v.sub_(offset(bits)) if v.is_contiguous() else v - offset(bits)
 
 
 def pack_ct_zero_point(z: torch.Tensor, bits: int) -> torch.Tensor:
