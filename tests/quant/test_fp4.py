@@ -92,3 +92,24 @@ def test_decode_by_bit_arithmetic_is_the_table_code_for_code():
     c = torch.randint(0, 16, (33, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     assert torch.equal(fp4_decode(c), want[c.long()]) and fp4_decode(c).shape == (33, 64)
     assert torch.equal(fp4_decode(c, torch.bfloat16), want.bfloat16()[c.long()])
+
+
+def test_encode_by_binade_steps_is_the_threshold_definition():
+    """fp4_encode (rounded steps per binade) gives the codes of the threshold definition (_MIDPOINTS) on every
+    multiple of 1/16 in [-8, 8], both float neighbours of each (so every tie and the values either side of it),
+    saturation, infinities, NaN (-> 0) and signed zeros, in float32 and bf16."""
+    import math
+
+    import torch
+
+    from qtk.quant.fp4 import _fp4_encode_thresholds, fp4_encode
+
+    grid = torch.arange(-128, 129, dtype=torch.float32) / 16
+    up, down = torch.full_like(grid, math.inf), torch.full_like(grid, -math.inf)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, -1e-30, 0.0, -0.0])
+    vals = torch.cat([grid, torch.nextafter(grid, up), torch.nextafter(grid, down), special])
+    assert torch.equal(fp4_encode(vals), _fp4_encode_thresholds(vals))
+    assert fp4_encode(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.1])).tolist() == [0, 2, 2, 4, 4, 6, 6, 8]
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(0)) * 5
+    assert torch.equal(fp4_encode(x), _fp4_encode_thresholds(x))
+    assert torch.equal(fp4_encode(x.bfloat16()), _fp4_encode_thresholds(x.bfloat16()))
