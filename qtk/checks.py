@@ -164,17 +164,6 @@ def expected_quantized(ck, arch, recipe) -> list[str]:
             if not matches(f"{arch.layers}.{i}.{lin}", ignore)]
 
 
-def _finite(t) -> bool:
-    """Whether a tensor (or a StoredTensor, scanned chunk by chunk from disk) holds no NaN/Inf. A sum is non-finite
-    whenever one is present; the exact scan runs only then (no float32 or bool copy of an embedding)."""
-    import torch
-
-    from qtk.io.safetensors import StoredTensor
-
-    chunks = t.chunks() if isinstance(t, StoredTensor) else (t,)
-    return all(bool(torch.isfinite(c.sum())) or bool(torch.isfinite(c).all()) for c in chunks)
-
-
 def _kv_bounds(ck, arch, layer: int, rownorm: dict, dense_stats: dict) -> tuple[float, float] | None:
     """Upper bounds of |K after RoPE| and |V| in layer `layer` from its weights alone (Cauchy-Schwarz): an RMS-normed
     input x has ||x|| <= sqrt(hidden) * max|norm weight|, so |k_r| <= ||W_k row r|| ||x|| + |b_r|, and RoPE rotates
@@ -216,7 +205,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
 
     import torch
 
-    from qtk.io.safetensors import as_tensor
+    from qtk.io.safetensors import all_finite, as_tensor
     from qtk.quant.error import relative_error
 
     rep = CheckReport()
@@ -363,7 +352,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
                 arch is not None and name.endswith(("k_proj.weight", "v_proj.weight", "qkv_proj.weight")))
             if values:  # small tensors whose values the bounds need
                 t = as_tensor(t)
-            if not _finite(t):
+            if not all_finite(t):
                 nonfinite.append(name)
                 continue
             if name.endswith("norm.weight"):

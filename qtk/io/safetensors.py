@@ -79,6 +79,14 @@ class StoredTensor:
         return t
 
 
+def all_finite(t) -> bool:
+    """Whether a tensor, or a StoredTensor scanned chunk by chunk from its file, holds no NaN/Inf. A sum is non-finite
+    whenever one is present; the exact scan (a bool copy) runs only then, so an embedding needs no float32 or bool
+    copy of its size."""
+    chunks = t.chunks() if isinstance(t, StoredTensor) else (t,)
+    return all(bool(torch.isfinite(c.sum())) or bool(torch.isfinite(c).all()) for c in chunks)
+
+
 def as_tensor(t) -> torch.Tensor:
     """A tensor, reading a StoredTensor whole."""
     return t.read() if isinstance(t, StoredTensor) else t

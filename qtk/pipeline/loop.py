@@ -18,6 +18,7 @@ from qtk.model.simulate import QLinear, engine_weight, set_kv_hook, use_qtk_atte
 from qtk.pipeline.capture import capture_layer_inputs
 from qtk.pipeline.device import Activations, activation_budget, compute_dtype, resolve_device
 from qtk.pipeline.memory import map_large_allocations, release_freed_memory
+from qtk.io.safetensors import all_finite
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.quant.error import relative_error
 from qtk.pipeline.targets import check_group_size, target_linears
@@ -30,9 +31,9 @@ from qtk.steps.swap import swap_in
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """Refuse a float tensor holding NaN/Inf. A sum is non-finite whenever one is present; the exact scan (a bool
-    copy) runs only then."""
-    if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
+    """Refuse a float tensor holding NaN/Inf (qtk.io.safetensors.all_finite: the exact scan only when its sum is not
+    finite)."""
+    if t.is_floating_point() and not all_finite(t):
         raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
 
 
@@ -133,8 +134,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
     errors = {}
     scales = folded_scales(records) if transformed else {}
     for t, qt in qweights.items():
-        if not torch.isfinite(qt.scale).all():  # a NaN/Inf weight poisons its row's scale: cheaper than scanning W
-            raise UsageError(f"tensor {prefix + t}.weight contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
+        check_finite(f"{prefix}{t}.weight", qt.scale)  # a NaN/Inf weight poisons its row's scale: cheaper than scanning W
         if batches and not isinstance(layer.get_submodule(t), QLinear):
             w_hat = swap_in(layer, t, qt, ctx.scheme(t).engine_activations, amax)  # the next layer sees what the engine computes
         else:

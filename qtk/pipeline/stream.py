@@ -14,7 +14,6 @@ from typing import Callable
 
 import torch
 
-from qtk.errors import UsageError
 from qtk.model.simulate import engine_weight
 from qtk.quant.error import ErrorSum
 from qtk.pipeline.device import compute_dtype, resolve_device
@@ -118,9 +117,7 @@ class _Measure:
         self.sums: dict[str, tuple] = {}  # name -> (ErrorSum, min, max) while the weight is rounded
 
     def block(self, name: str, r0: int, w32: torch.Tensor, qt, decoded: torch.Tensor | None = None) -> None:
-        if not torch.isfinite(qt.scale).all():
-            raise UsageError(f"tensor {self.prefix + name}.weight contains NaN or Inf values",
-                             "the source checkpoint is corrupt; fix or re-download it")
+        check_finite(f"{self.prefix}{name}.weight", qt.scale)  # a NaN/Inf weight poisons its row's scale
         decoded = engine_weight(qt) if decoded is None else decoded
         lo, hi = torch.aminmax(decoded) if decoded.numel() else (torch.zeros(()), torch.zeros(()))
         err, plo, phi = self.sums.get(name) or (ErrorSum(), lo, hi)

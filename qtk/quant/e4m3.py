@@ -9,11 +9,12 @@ codes on this machine (a process with denormals flushed to zero, say), checked o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E4M3 = torch.float8_e4m3fn
 _SIGN_AND_MAGNITUDE = -30736  # 0x87F0 as int16: bit 15 and bits 10..4 after the shift
-_checked: list[bool] = []
 
 
 def _bits_to_float(v: torch.Tensor) -> torch.Tensor:
@@ -22,13 +23,12 @@ def _bits_to_float(v: torch.Tensor) -> torch.Tensor:
     return b.view(torch.bfloat16).float().mul_(2.0 ** 120)
 
 
+@functools.cache
 def _trick_holds() -> bool:
-    if not _checked:
-        codes = torch.arange(256, dtype=torch.uint8)
-        codes = codes[(codes & 0x7F) != 0x7F].view(E4M3)
-        tile = codes.repeat(1024)  # large enough for torch to split it over its threads, as a weight is
-        _checked.append(torch.equal(_bits_to_float(tile), tile.float()))
-    return _checked[0]
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(E4M3)
+    tile = codes.repeat(1024)  # large enough for torch to split it over its threads, as a weight is
+    return torch.equal(_bits_to_float(tile), tile.float())
 
 
 def to_float32(t: torch.Tensor) -> torch.Tensor:

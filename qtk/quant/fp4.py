@@ -15,6 +15,8 @@ stored as uint8 — so [1.0, -6.0] packs to 0xF2.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP4_MAX = 6.0
@@ -58,9 +60,6 @@ def _fp4_encode_thresholds(x: torch.Tensor) -> torch.Tensor:
     return mag | (x < 0).to(torch.uint8) << 3
 
 
-_checked: list[bool] = []
-
-
 def _decode_bits(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 bits s.ee.m moved to bf16's sign (bit 15) and bits 8..6 are a bf16 of the code's value times 2^-126
     (normal and subnormal codes alike), so one exact multiply gives the value: int16 arithmetic, no gather."""
@@ -69,15 +68,14 @@ def _decode_bits(codes: torch.Tensor) -> torch.Tensor:
     return v.view(torch.bfloat16).float().mul_(2.0 ** 126)
 
 
+@functools.cache
 def _bits_hold() -> bool:
     """Whether _decode_bits gives the table's values here (not where denormals are flushed), checked once on a
     tile large enough for torch to split over its threads."""
-    if not _checked:
-        tile = torch.arange(16, dtype=torch.uint8).repeat(1 << 14)
-        want = e2m1_table()[tile.long()]
-        got = _decode_bits(tile)
-        _checked.append(torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)))
-    return _checked[0]
+    tile = torch.arange(16, dtype=torch.uint8).repeat(1 << 14)
+    want = e2m1_table()[tile.long()]
+    got = _decode_bits(tile)
+    return torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
 
 
 def fp4_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
