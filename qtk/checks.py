@@ -87,14 +87,27 @@ def config_problems(cfg: dict) -> list[str]:
 
 
 def expected_parameters(hf_config: dict) -> tuple[dict[str, list[int]], list[set[str]]]:
-    """{parameter name: shape} of the model the config describes (a meta-device skeleton: no memory), and the
-    groups of names that share one tensor (tied embeddings: one of each group must be stored)."""
+    """{parameter name: shape} of the model the config describes, and the groups of names that share one tensor
+    (tied embeddings: one of each group must be stored). From config.json alone where it says every size
+    (qtk.model.layout), else from a meta-device skeleton (no memory)."""
+    from qtk.model.arch import ARCHS, arch_for
+    from qtk.model.layout import layout_from_config
+
+    cfg = dict(hf_config)
+    cfg.pop("quantization_config", None)
+    layout = None
+    if cfg.get("model_type") in ARCHS:
+        try:
+            layout = layout_from_config(cfg, arch_for(cfg["model_type"], cfg))
+        except QtkError:
+            layout = None  # the skeleton's reading of the config decides (and names what is wrong)
+    if layout is not None:
+        shapes = {k: list(v) for k, v in layout.shapes().items()}
+        return shapes, [set(g) for g in layout.groups()]
     from transformers import AutoConfig
 
     from qtk.model.source import meta_skeleton
 
-    cfg = dict(hf_config)
-    cfg.pop("quantization_config", None)
     model_type = cfg.pop("model_type", None)
     try:
         config = AutoConfig.for_model(model_type, **cfg)

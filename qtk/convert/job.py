@@ -156,7 +156,11 @@ class ConvertJob:
         check_group_size(self.source, r)  # from the headers, before calibration data is loaded
         calibration.warn_unused(r, o)
         calibration.check_size(self.source, r, o)
-        self.source.skeleton()  # every tensor checked against the config (names, shapes) before any work
+        # every tensor checked against the config (names, shapes) before any work: by the layout config.json implies
+        # where nothing is calibrated (no transformers import, no skeleton), else by the skeleton the layers run on
+        from qtk.pipeline.stream import streams
+
+        self.source.layout() if streams(r, None) else self.source.skeleton()
         self.output = output.OutputContext(self.out, self.targets, self.source.path, o.overwrite)
 
     def open_writers(self, calib_info: dict) -> None:

@@ -86,6 +86,7 @@ class ModelSource:
         self.arch: Arch = arch_for(self.config_dict.get("model_type"), self.config_dict)
         self._handles: dict[Path, object] = {}
         self._skeleton = None
+        self._layout = None
         self.weight_map = self._index_weights()
         check_against_weights(self.config_dict, sum(p.stat().st_size for p in set(self.weight_map.values())),
                               len(self.weight_map), f"{cfg}")
@@ -279,7 +280,8 @@ class ModelSource:
 
     @property
     def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
+        n = self.config_dict.get("num_hidden_layers")  # config.json's own number: no transformers import
+        return n if isinstance(n, int) and not isinstance(n, bool) else int(self.config.num_hidden_layers)
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.arch.layers}.{i}."
@@ -300,10 +302,28 @@ class ModelSource:
         Every parameter it expects is checked against the weight files' headers first, so a missing or
         misshapen tensor is refused before any work (not half-way, and not silently passed through)."""
         if self._skeleton is None:  # built once: `qtk convert` checks it before any work, then runs on it
+            from qtk.model.layout import Layout
+
             model = meta_skeleton(self.config, trust_remote_code=self.trust_remote_code)
-            self._check_tensors(model)
+            self._layout = Layout.of_model(model, self.arch)
+            self._check_tensors(self._layout)
             self._skeleton = model
         return self._skeleton
+
+    def layout(self):
+        """The parameters config.json implies (qtk.model.layout.Layout), checked against the weight files' headers
+        as skeleton() checks them: from config.json alone where it says every size (no transformers import, no
+        module), else from the skeleton."""
+        if self._layout is None:
+            from qtk.model.layout import layout_from_config
+
+            layout = None if self.trust_remote_code else layout_from_config(self.config_dict, self.arch)
+            if layout is None:
+                self.skeleton()
+            else:
+                self._check_tensors(layout)
+                self._layout = layout
+        return self._layout
 
     def shape(self, name: str) -> list[int]:
         """A tensor's shape from the file header, without reading its data."""
@@ -315,33 +335,30 @@ class ModelSource:
         h = self._open(self.weight_map[name])
         return h[name].dtype if isinstance(h, dict) else h.dtype(name)
 
-    def _check_tensors(self, model) -> None:
-        self._check_unknown_tensors(model)
-        groups: dict[int, list[tuple[str, torch.Tensor]]] = {}  # tied parameters are one object under several names
-        for name, p in model.named_parameters(remove_duplicate=False):
-            groups.setdefault(id(p), []).append((name, p))
-        for members in groups.values():
-            present = [(n, p) for n, p in members if n in self.weight_map]
+    def _check_tensors(self, layout) -> None:
+        self._check_unknown_tensors(layout)
+        shapes = layout.shapes()
+        for members in layout.groups():  # tied parameters are one tensor under several names
+            present = [n for n in members if n in self.weight_map]
             if not present:
-                raise UsageError(f"tensor {members[0][0]} is missing from {self.path.name}", "the checkpoint is incomplete: re-download it")
-            for n, p in present:
-                if self.shape(n) != list(p.shape):
-                    raise UsageError(f"tensor {n} has shape {self.shape(n)} but config.json implies {list(p.shape)}",
+                raise UsageError(f"tensor {members[0]} is missing from {self.path.name}", "the checkpoint is incomplete: re-download it")
+            for n in present:
+                if self.shape(n) != list(shapes[n]):
+                    raise UsageError(f"tensor {n} has shape {self.shape(n)} but config.json implies {list(shapes[n])}",
                                      "the weights do not belong to this config.json")
                 dt = self.tensor_dtype(n)
                 if not dt.is_floating_point:  # bool or int weights would be cast silently into nonsense
                     raise UsageError(f"tensor {n} is stored as {str(dt).replace('torch.', '')}, not as floating-point weights",
                                      "give the original (bf16/fp16/fp32) model; qtk does not re-quantize integer checkpoints")
 
-    def _check_unknown_tensors(self, model) -> None:
+    def _check_unknown_tensors(self, layout) -> None:
         """Every tensor in the weight files must belong to the model config.json describes (or be one that
         transformers itself skips, such as old checkpoints' rotary inv_freq): junk tensors would be copied
         into the output, and millions of them make an output no reader accepts."""
         import re
 
-        known = set(model.state_dict(keep_vars=True))
-        skip = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"]
-        skip_re = re.compile("|".join(f"({p})" for p in skip))
+        known = {*layout.names(), *layout.buffers}
+        skip_re = re.compile("|".join(f"({p})" for p in layout.skipped))
         unknown = [n for n in self.weight_map if n not in known and not skip_re.search(n)]
         if unknown:
             shown = ", ".join(unknown[:3]) + (", ..." if len(unknown) > 3 else "")

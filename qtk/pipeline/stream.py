@@ -3,10 +3,14 @@ keeps no KV cache statistics) at disk speed: no decoder layer is materialised as
 read by name (the next layer's in a background thread, onto the device), its Linears rounded to nearest there, the
 per-weight error taken from the QTensor just made (no second read), and the LayerResult written while the next layer
 is read and quantized. The result is the one qtk.pipeline.loop.run builds for these recipes, byte for byte: the
-same tensors in the same dtypes and order (the meta skeleton's, which `qtk convert` checks before any work)."""
+same tensors in the same dtypes and order (the meta skeleton's). Names, shapes and order come from
+qtk.model.layout, which `qtk convert` checks against the weight files before any work: from config.json alone, so
+this path imports no transformers and builds no module (the skeleton only where config.json leaves a size to
+transformers' defaults)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -41,9 +45,9 @@ class _LayerReader:
     each tensor's bytes are counted while it lives (weakref.finalize), so the read ahead fills what layer i frees
     as its weights are rounded, never a second whole layer. The layer the loop waits for is read without the bound."""
 
-    def __init__(self, source, skeleton, device, enabled: bool, budget: int | None = None):
+    def __init__(self, source, layout, device, enabled: bool, budget: int | None = None):
         self.source, self.device, self.dtype = source, device, compute_dtype(source)
-        self.layers = skeleton.get_submodule(source.arch.layers)
+        self.layers = layout.layers
         self.enabled = enabled
         self.ahead = None
         self.size = torch.empty((), dtype=self.dtype).element_size()
@@ -54,7 +58,7 @@ class _LayerReader:
         self.peak_held = 0
 
     def _bytes(self, i: int) -> int:
-        return sum(v.numel() * self.size for v in self.layers[i].state_dict(keep_vars=True).values() if v.is_meta)
+        return sum(math.prod(shape) * self.size for _, shape in self.layers[i])
 
     def _release(self, n: int) -> None:
         with self.cond:
@@ -71,21 +75,18 @@ class _LayerReader:
         """name (relative) -> tensor, in the layer module's state_dict order, as ModelSource.load_module loads it."""
         prefix = self.source.layer_prefix(i)
         out = {}
-        for k, v in self.layers[i].state_dict(keep_vars=True).items():
-            if v.is_meta:  # a parameter: from the checkpoint
-                n = v.numel() * self.size
-                self._room(i, n)
-                try:
-                    t = self.source.tensor(prefix + k)
-                    t = t.to(self.dtype) if self.device.type == "cpu" else t.to(device=self.device, dtype=self.dtype)
-                    check_finite(prefix + k, t)
-                except BaseException:
-                    self._release(n)
-                    raise
-                weakref.finalize(t, self._release, n)
-                out[k] = t
-            else:  # a persistent buffer the skeleton computed
-                out[k] = v.detach().to(self.device)
+        for k, shape in self.layers[i]:
+            n = math.prod(shape) * self.size
+            self._room(i, n)
+            try:
+                t = self.source.tensor(prefix + k)
+                t = t.to(self.dtype) if self.device.type == "cpu" else t.to(device=self.device, dtype=self.dtype)
+                check_finite(prefix + k, t)
+            except BaseException:
+                self._release(n)
+                raise
+            weakref.finalize(t, self._release, n)
+            out[k] = t
         return out
 
     def get(self, i: int, n: int) -> dict[str, torch.Tensor]:
@@ -167,7 +168,7 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     stats = PipelineStats()
     check_group_size(source, recipe)
     t0 = time.perf_counter()
-    skeleton = source.skeleton()  # built and checked before any work already: its layer modules give names and order
+    layout = source.layout()  # checked before any work already: each layer's names, shapes and order
     n = source.num_layers
     start = min(resume.completed, n) if resume is not None else 0
     if resume is not None:  # the sinks see the passthrough tensors, then the layers done before, then the rest
@@ -175,7 +176,7 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
         replay_layers(resume, start, n, sinks, stats, on_layer)
     stats.timings["capture"] = time.perf_counter() - t0
     t_layers = time.perf_counter()
-    reader = _LayerReader(source, skeleton, device, overlap)
+    reader = _LayerReader(source, layout, device, overlap)
     try:
         with WriteBehind(sinks, resume, overlap) as writer:
             if resume is None:

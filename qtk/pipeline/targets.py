@@ -130,10 +130,11 @@ def fp8_block_gemms(source, recipe, i: int):
 
 def _prefused_parts(source, t: str, out: int) -> list[int]:
     """The parts vLLM splits a checkpoint's pre-fused Linear into (Phi-3's qkv_proj: q, k, v; gate_up_proj: gate, up)."""
-    c = source.config
+    c = source.config_dict
     if t == "mlp.gate_up_proj":
         return [out // 2, out // 2]
-    heads, kv = int(c.num_attention_heads), int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+    heads = int(c["num_attention_heads"])
+    kv = int(c.get("num_key_value_heads") or heads)
     hd = out // (heads + 2 * kv)
     return [heads * hd, kv * hd, kv * hd]
 
@@ -144,8 +145,8 @@ def check_fp8_blocks(source, recipe, tp: int = 1) -> None:
     Refused naming the first Linear at fault, its shape, the rule and the fix."""
     from qtk.model.config_check import fp8_block_misfit
 
-    c = source.config
-    kv_heads = int(getattr(c, "num_key_value_heads", None) or getattr(c, "num_attention_heads", 1) or 1)
+    c = source.config_dict
+    kv_heads = int(c.get("num_key_value_heads") or c.get("num_attention_heads") or 1)
     for i in range(source.num_layers):
         prefix = source.layer_prefix(i)
         for members, shapes, split in fp8_block_gemms(source, recipe, i):

@@ -28,17 +28,27 @@ def test_which_recipes_stream():
     assert not streams(load_recipe("fp8-kv8"), None)
 
 
-@pytest.mark.parametrize("recipe", ["fp8-dynamic", "w8a16", "w4a16"])
-def test_stream_builds_the_module_loops_results_without_modules(recipe, tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipe, model_type, extra", [
+    ("fp8-dynamic", "llama", {}), ("w8a16", "llama", {"tie": True}), ("w4a16", "llama", {}),
+    ("w8a16", "qwen3", {"head_dim": 32, "attention_bias": True}),  # q/k norms and biases in the layer
+    ("fp8-dynamic", "phi3", {"pad_token_id": 0}),  # pre-fused Linears, o_proj before qkv_proj
+    ("w8a16", "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # experts after the norms
+])
+def test_stream_builds_the_module_loops_results_without_modules(recipe, model_type, extra, tmp_path, monkeypatch):
+    """Without a module and without the skeleton (names, shapes and order from config.json: qtk.model.layout), the
+    stream's results are the module loop's, tensor for tensor and in the same order."""
     import torch
 
-    model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
+    import qtk.model.source as source_module
+
+    model = make_tiny_model(tmp_path / "m", model_type=model_type, layers=2, hidden=128, intermediate=256, **extra)
     r = load_recipe(recipe)
     a, b = Keep(), Keep()
     run(ModelSource(model), r, None, [a])
     src = ModelSource(model)
-    src.skeleton()
     monkeypatch.setattr(ModelSource, "load_module", lambda *a, **k: pytest.fail("a module was materialised"))
+    monkeypatch.setattr(source_module, "meta_skeleton", lambda *a, **k: pytest.fail("a skeleton was built"))
+    src.layout()
     stats = run_data_free(src, r, [b])
     assert stats.layers == 2
     assert list(a.dense) == list(b.dense) and all(torch.equal(a.dense[k], b.dense[k]) for k in a.dense)
