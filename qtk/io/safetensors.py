@@ -284,12 +284,13 @@ class SafetensorsFile:
     def get_tensor(self, name: str) -> torch.Tensor:
         e = self.entries[name]
         start, end = e["data_offsets"]
-        buf = bytearray(end - start)
-        self.read_into(memoryview(buf), start, name)
         dtype = ST_TO_TORCH[e["dtype"]]
-        if not buf:
+        if end == start:
             return torch.empty(e["shape"], dtype=dtype)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(e["shape"])
+        # uninitialised (a bytearray is zero-filled first: a pass over every page before the read writes them)
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        self.read_into(memoryview(buf.numpy()).cast("B"), start, name)
+        return buf.view(dtype).reshape(e["shape"])
 
     def __del__(self, _close=os.close):  # bound early: module globals may be gone at interpreter exit
         fd = getattr(self, "_fd", None)
