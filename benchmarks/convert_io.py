@@ -6,6 +6,12 @@ data-free recipes), and the conversion's peak host memory.
         --json benchmarks/results/convert_io_datafree.json            # every data-free recipe, --no-hash (issue 13)
     python benchmarks/convert_io.py --recipes fp8-dynamic --shape llama3-8b --layers 2 --repeats 1
                                                                       # peak RSS on Llama-3-8B's shapes (2.6 GB bf16)
+    python benchmarks/convert_io.py --recipes data-free --shape llama3-8b --layers 2 6 \
+        --json benchmarks/results/convert_io_datafree_llama3_8b.json  # issue 13's table, and the per-layer cost
+
+With several --layers, each model is measured in turn and every recipe's cost per layer is the slope between the
+fewest and the most layers (`per_layer`: seconds, and decoder-layer parameters per second, the constants
+qtk/plan/convert_cost.py's CPU_STREAM_PARAMS_PER_S takes from this file).
 
 The I/O floor is measured on the same files: every source tensor read into memory (safetensors),
 then the converted checkpoint's tensors written once with safetensors and fsync'd. Page cache is
@@ -101,7 +107,7 @@ def make_shaped_model(path: Path, *, layers: int, hidden: int, intermediate: int
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, nargs="+", default=[8])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
@@ -111,16 +117,48 @@ def main():
                     help="recipes to time with --no-hash; 'data-free' for all of " + ", ".join(DATA_FREE) +
                          " (default: fp8-dynamic with and without hashing, and fp8)")
     a = ap.parse_args()
+    by_layers, size = {}, {}
+    for layers in a.layers:
+        size[layers], by_layers[layers] = measure(a, layers)
+    out = {"model_mb": size[a.layers[0]] / 1e6, "layers": a.layers[0], "shape": a.shape or
+           {"hidden": a.hidden, "intermediate": a.intermediate}, "repeats": a.repeats, "results": by_layers[a.layers[0]]}
+    if len(a.layers) > 1:
+        lo, hi = min(a.layers), max(a.layers)
+        layer_params = layer_parameters(a)
+        per_layer = {}
+        for label in by_layers[lo]:
+            dt = (by_layers[hi][label]["convert_s"] - by_layers[lo][label]["convert_s"]) / (hi - lo)
+            df = (by_layers[hi][label]["io_floor_s"] - by_layers[lo][label]["io_floor_s"]) / (hi - lo)
+            per_layer[label] = {"convert_s": dt, "io_floor_s": df, "layer_params": layer_params,
+                                "params_per_s": layer_params / dt if dt > 0 else None}
+            print(f"{label:24s} per layer: convert {dt:.2f}s, read+write once {df:.2f}s, "
+                  f"{layer_params / dt / 1e6 if dt > 0 else float('nan'):.0f}M params/s", flush=True)
+        out = {"shape": out["shape"], "repeats": a.repeats, "model_mb": {str(k): v / 1e6 for k, v in size.items()},
+               "results": {str(k): v for k, v in by_layers.items()}, "per_layer": per_layer}
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def layer_parameters(a) -> int:
+    """The parameters of one decoder layer's Linears (what the stream rounds), from the model's shapes."""
+    d = SHAPES[a.shape] if a.shape else dict(hidden=a.hidden, intermediate=a.intermediate, heads=16, kv_heads=4)
+    h, i = d["hidden"], d["intermediate"]
+    kv = h // d["heads"] * d["kv_heads"]
+    return 2 * h * h + 2 * h * kv + 3 * h * i
+
+
+def measure(a, layers: int) -> tuple[int, dict]:
+    """(model bytes, results by recipe label) for a model of `layers` layers."""
     results = {}
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
         calib = write_calib(td / "calib.jsonl", n=200)
         if a.shape:
-            m = make_shaped_model(td / "m", layers=a.layers, **SHAPES[a.shape])
+            m = make_shaped_model(td / "m", layers=layers, **SHAPES[a.shape])
         else:
-            m = make_tiny_model(td / "m", layers=a.layers, hidden=a.hidden, intermediate=a.intermediate, heads=16, kv_heads=4)
+            m = make_tiny_model(td / "m", layers=layers, hidden=a.hidden, intermediate=a.intermediate, heads=16, kv_heads=4)
         size = dir_bytes(m)
-        print(f"model: {a.layers} layers, {a.shape or f'hidden {a.hidden}'}: {size / 1e6:.0f} MB bf16", flush=True)
+        print(f"model: {layers} layers, {a.shape or f'hidden {a.hidden}'}: {size / 1e6:.0f} MB bf16", flush=True)
         recipes = [r for x in (a.recipes or []) for r in (DATA_FREE if x == "data-free" else [x])]
         runs = [(r, ["--no-hash"]) for r in recipes] if recipes else [
             ("fp8-dynamic", []), ("fp8-dynamic", ["--no-hash"]),
@@ -160,10 +198,7 @@ def main():
             print(f"{label:24s} convert {median(conv):6.2f}s (of it prepare {median(prep):.2f}s; process {median(walls):.2f}s "
                   f"incl. imports), read+write once {median(floors):6.2f}s, ratio {ratio:5.2f} ({after:5.2f} after prepare), "
                   f"peak RSS {median(rss) / 1e6:.0f} MB, load {results[label]['load_avg_1min']:.1f}", flush=True)
-    if a.json:
-        a.json.write_text(json.dumps({"model_mb": size / 1e6, "layers": a.layers, "shape": a.shape or
-                                      {"hidden": a.hidden, "intermediate": a.intermediate}, "repeats": a.repeats,
-                                      "results": results}, indent=2))
+    return size, results
 
 
 if __name__ == "__main__":
