@@ -117,9 +117,11 @@ def main():
                     help="recipes to time with --no-hash; 'data-free' for all of " + ", ".join(DATA_FREE) +
                          " (default: fp8-dynamic with and without hashing, and fp8)")
     a = ap.parse_args()
-    by_layers, size = {}, {}
-    for layers in a.layers:
-        size[layers], by_layers[layers] = measure(a, layers)
+    with tempfile.TemporaryDirectory() as td:
+        td = Path(td)
+        models = {n: build(a, td / f"m{n}", n) for n in a.layers}
+        size = {n: dir_bytes(m) for n, m in models.items()}
+        by_layers = measure(a, models, td)
     out = {"model_mb": size[a.layers[0]] / 1e6, "layers": a.layers[0], "shape": a.shape or
            {"hidden": a.hidden, "intermediate": a.intermediate}, "repeats": a.repeats, "results": by_layers[a.layers[0]]}
     if len(a.layers) > 1:
@@ -147,58 +149,66 @@ def layer_parameters(a) -> int:
     return 2 * h * h + 2 * h * kv + 3 * h * i
 
 
-def measure(a, layers: int) -> tuple[int, dict]:
-    """(model bytes, results by recipe label) for a model of `layers` layers."""
-    results = {}
-    with tempfile.TemporaryDirectory() as td:
-        td = Path(td)
-        calib = write_calib(td / "calib.jsonl", n=200)
-        if a.shape:
-            m = make_shaped_model(td / "m", layers=layers, **SHAPES[a.shape])
-        else:
-            m = make_tiny_model(td / "m", layers=layers, hidden=a.hidden, intermediate=a.intermediate, heads=16, kv_heads=4)
-        size = dir_bytes(m)
-        print(f"model: {layers} layers, {a.shape or f'hidden {a.hidden}'}: {size / 1e6:.0f} MB bf16", flush=True)
-        recipes = [r for x in (a.recipes or []) for r in (DATA_FREE if x == "data-free" else [x])]
-        runs = [(r, ["--no-hash"]) for r in recipes] if recipes else [
-            ("fp8-dynamic", []), ("fp8-dynamic", ["--no-hash"]),
-            ("fp8", ["--num-samples", "8", "--seq-len", "64", "--calib", str(calib)])]
+def build(a, path: Path, layers: int) -> Path:
+    if a.shape:
+        m = make_shaped_model(path, layers=layers, **SHAPES[a.shape])
+    else:
+        m = make_tiny_model(path, layers=layers, hidden=a.hidden, intermediate=a.intermediate, heads=16, kv_heads=4)
+    print(f"model: {layers} layers, {a.shape or f'hidden {a.hidden}'}: {dir_bytes(m) / 1e6:.0f} MB bf16", flush=True)
+    return m
+
+
+def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
+    """Results by layer count, then recipe label. Each repeat runs every model in turn (the counts interleaved, so
+    a slow spell of a shared machine falls on all of them and the per-layer slope is taken under the same load)."""
+    calib = write_calib(td / "calib.jsonl", n=200)
+    recipes = [r for x in (a.recipes or []) for r in (DATA_FREE if x == "data-free" else [x])]
+    runs = [(r, ["--no-hash"]) for r in recipes] if recipes else [
+        ("fp8-dynamic", []), ("fp8-dynamic", ["--no-hash"]),
+        ("fp8", ["--num-samples", "8", "--seq-len", "64", "--calib", str(calib)])]
+    for m in models.values():
         for p in sorted(m.glob("*.safetensors")):  # the page cache warm for every run, the first included
             with open(p, "rb") as f:
                 while f.read(1 << 24):
                     pass
-        for recipe, extra in runs:
-            label = recipe + (" --no-hash" if "--no-hash" in extra else "")
-            conv, prep, floors, walls, rss, timings, loads = [], [], [], [], [], [], []
-            for r in range(a.repeats):
-                out = td / "o"
+    results: dict[int, dict] = {n: {} for n in models}
+    for recipe, extra in runs:
+        label = recipe + (" --no-hash" if "--no-hash" in extra else "")
+        seen = {n: {"conv": [], "prep": [], "floor": [], "wall": [], "rss": [], "timings": [], "load": []} for n in models}
+        for _ in range(a.repeats):
+            for n, m in models.items():
+                x, out = seen[n], td / "o"
                 # each timed step starts with no earlier output to delete (--overwrite would time its unlink) and no
                 # dirty pages of an earlier step still being written back (the disk's write-back throttles writers)
                 shutil.rmtree(out, ignore_errors=True)
                 os.sync()
-                loads.append(os.getloadavg()[0])  # the machine's load beside the numbers (a shared machine)
+                x["load"].append(os.getloadavg()[0])  # the machine's load beside the numbers (a shared machine)
                 wall, peak = run_measured([qtk_exe(), "convert", str(m), "--recipe", recipe, "-o", str(out), "--overwrite", *extra])
                 # the conversion itself, as the manifest times it (process start-up and imports excluded)
                 t = json.loads((out / "vllm" / "qtk.json").read_text())["timings"]
-                conv.append(t["total"])
-                prep.append(t.get("prepare", 0.0))
-                timings.append(t)
-                walls.append(wall)
-                rss.append(peak)
+                x["conv"].append(t["total"])
+                x["prep"].append(t.get("prepare", 0.0))
+                x["timings"].append(t)
+                x["wall"].append(wall)
+                x["rss"].append(peak)
+                x["out_mb"] = dir_bytes(out / "vllm") / 1e6
                 os.sync()
-                floors.append(io_floor(m, out / "vllm", td))
-            ratio = median(conv) / median(floors)
-            after = (median(conv) - median(prep)) / median(floors)
-            results[label] = {"convert_s": median(conv), "prepare_s": median(prep), "process_wall_s": median(walls),
-                              "io_floor_s": median(floors), "ratio": ratio, "ratio_after_prepare": after,
-                              "peak_rss_mb": median(rss) / 1e6, "output_mb": dir_bytes(out / "vllm") / 1e6,
-                              "load_avg_1min": max(loads + [os.getloadavg()[0]]), "cpus": os.cpu_count(),
-                              "runs": [{"convert_s": c, "io_floor_s": f, "prepare_s": p} for c, f, p in zip(conv, floors, prep)],
-                              "timings": {k: median([x.get(k, 0.0) for x in timings]) for k in timings[0]}}
-            print(f"{label:24s} convert {median(conv):6.2f}s (of it prepare {median(prep):.2f}s; process {median(walls):.2f}s "
-                  f"incl. imports), read+write once {median(floors):6.2f}s, ratio {ratio:5.2f} ({after:5.2f} after prepare), "
-                  f"peak RSS {median(rss) / 1e6:.0f} MB, load {results[label]['load_avg_1min']:.1f}", flush=True)
-    return size, results
+                x["floor"].append(io_floor(m, out / "vllm", td))
+        for n, x in seen.items():
+            conv, floor = median(x["conv"]), median(x["floor"])
+            ratio, after = conv / floor, (conv - median(x["prep"])) / floor
+            results[n][label] = {
+                "convert_s": conv, "prepare_s": median(x["prep"]), "process_wall_s": median(x["wall"]),
+                "io_floor_s": floor, "ratio": ratio, "ratio_after_prepare": after,
+                "peak_rss_mb": median(x["rss"]) / 1e6, "output_mb": x["out_mb"],
+                "load_avg_1min": max(x["load"] + [os.getloadavg()[0]]), "cpus": os.cpu_count(),
+                "runs": [{"convert_s": c, "io_floor_s": f, "prepare_s": p} for c, f, p in zip(x["conv"], x["floor"], x["prep"])],
+                "timings": {k: median([t.get(k, 0.0) for t in x["timings"]]) for k in x["timings"][0]}}
+            print(f"{n} layers {label:24s} convert {conv:6.2f}s (of it prepare {median(x['prep']):.2f}s; process "
+                  f"{median(x['wall']):.2f}s incl. imports), read+write once {floor:6.2f}s, ratio {ratio:5.2f} "
+                  f"({after:5.2f} after prepare), peak RSS {median(x['rss']) / 1e6:.0f} MB, "
+                  f"load {results[n][label]['load_avg_1min']:.1f}", flush=True)
+    return results
 
 
 if __name__ == "__main__":
