@@ -16,7 +16,8 @@ qtk/plan/convert_cost.py's CPU_STREAM_PARAMS_PER_S takes from this file).
 The I/O floor is measured on the same files: every source tensor read into memory (safetensors),
 then the converted checkpoint's tensors written once with safetensors and fsync'd. Page cache is
 warm for both (the source is read once before timing), and each starts after os.sync() with no earlier output left
-to delete, so neither pays for the other's write-back. `convert_s` is the manifest's total (process
+to delete, so neither pays for the other's write-back; with --cold the page cache is dropped before each instead,
+so both read the source from the disk (the conversion reads layer i+1 while layer i rounds). `convert_s` is the manifest's total (process
 start-up excluded); `prepare_s` is its part that opens the model (imports, config, the meta skeleton),
 which does not grow with the model, so `ratio_after_prepare` is what the ratio tends to on large models.
 `peak_rss_mb` is the kernel's ru_maxrss of the conversion process (file pages of the mmap'd source it
@@ -40,9 +41,20 @@ DATA_FREE = ["fp8-dynamic", "w8a16", "w4a16", "nvfp4-a16", "mxfp4-a16", "fp8-blo
 SHAPES = {"llama3-8b": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)}
 
 
-def io_floor(src: Path, out: Path, tmp: Path) -> float:
+def drop_page_cache() -> None:
+    """Write back and drop the page cache (--cold; root only), so the next read comes from the disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        raise SystemExit(f"--cold needs root to drop the page cache ({e})") from None
+
+
+def io_floor(src: Path, out: Path, tmp: Path, cold: bool = False) -> float:
     from safetensors.torch import load_file, save_file
 
+    if cold:
+        drop_page_cache()
     t0 = time.perf_counter()
     for p in sorted(src.glob("*.safetensors")):
         load_file(str(p))
@@ -113,6 +125,9 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="a named model's shapes (hidden, intermediate, heads, vocab) instead of --hidden/--intermediate")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the page cache before every timed step (root): the source is read from the disk, as "
+                         "a model not read since it was downloaded is (default: warm, the CPU's cost alone)")
     ap.add_argument("--recipes", nargs="+", default=None,
                     help="recipes to time with --no-hash; 'data-free' for all of " + ", ".join(DATA_FREE) +
                          " (default: fp8-dynamic with and without hashing, and fp8)")
@@ -123,7 +138,8 @@ def main():
         size = {n: dir_bytes(m) for n, m in models.items()}
         by_layers = measure(a, models, td)
     out = {"model_mb": size[a.layers[0]] / 1e6, "layers": a.layers[0], "shape": a.shape or
-           {"hidden": a.hidden, "intermediate": a.intermediate}, "repeats": a.repeats, "results": by_layers[a.layers[0]]}
+           {"hidden": a.hidden, "intermediate": a.intermediate}, "repeats": a.repeats, "cold": a.cold,
+           "results": by_layers[a.layers[0]]}
     if len(a.layers) > 1:
         lo, hi = min(a.layers), max(a.layers)
         layer_params = layer_parameters(a)
@@ -135,7 +151,7 @@ def main():
                                 "params_per_s": layer_params / dt if dt > 0 else None}
             print(f"{label:24s} per layer: convert {dt:.2f}s, read+write once {df:.2f}s, "
                   f"{layer_params / dt / 1e6 if dt > 0 else float('nan'):.0f}M params/s", flush=True)
-        out = {"shape": out["shape"], "repeats": a.repeats, "model_mb": {str(k): v / 1e6 for k, v in size.items()},
+        out = {"shape": out["shape"], "repeats": a.repeats, "cold": a.cold, "model_mb": {str(k): v / 1e6 for k, v in size.items()},
                "results": {str(k): v for k, v in by_layers.items()}, "per_layer": per_layer}
     if a.json:
         a.json.write_text(json.dumps(out, indent=2) + "\n")
@@ -166,7 +182,7 @@ def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
     runs = [(r, ["--no-hash"]) for r in recipes] if recipes else [
         ("fp8-dynamic", []), ("fp8-dynamic", ["--no-hash"]),
         ("fp8", ["--num-samples", "8", "--seq-len", "64", "--calib", str(calib)])]
-    for m in models.values():
+    for m in models.values() if not a.cold else ():
         for p in sorted(m.glob("*.safetensors")):  # the page cache warm for every run, the first included
             with open(p, "rb") as f:
                 while f.read(1 << 24):
@@ -181,7 +197,7 @@ def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
                 # each timed step starts with no earlier output to delete (--overwrite would time its unlink) and no
                 # dirty pages of an earlier step still being written back (the disk's write-back throttles writers)
                 shutil.rmtree(out, ignore_errors=True)
-                os.sync()
+                drop_page_cache() if a.cold else os.sync()
                 x["load"].append(os.getloadavg()[0])  # the machine's load beside the numbers (a shared machine)
                 wall, peak = run_measured([qtk_exe(), "convert", str(m), "--recipe", recipe, "-o", str(out), "--overwrite", *extra])
                 # the conversion itself, as the manifest times it (process start-up and imports excluded)
@@ -193,7 +209,7 @@ def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
                 x["rss"].append(peak)
                 x["out_mb"] = dir_bytes(out / "vllm") / 1e6
                 os.sync()
-                x["floor"].append(io_floor(m, out / "vllm", td))
+                x["floor"].append(io_floor(m, out / "vllm", td, a.cold))
         for n, x in seen.items():
             conv, floor = median(x["conv"]), median(x["floor"])
             ratio, after = conv / floor, (conv - median(x["prep"])) / floor

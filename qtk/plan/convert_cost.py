@@ -2,12 +2,19 @@
 one or several processes (torchrun), from the model's shapes and a cost model.
 
 Time = the larger of disk time (source read once, output written once: layers are read ahead and written behind
-while they compute) and compute time (calibration forwards, GPTQ solves), divided over the processes; plus the
-Hessians' all-reduce between processes. The constants and where they were measured:
+while they compute) and compute time (calibration forwards, GPTQ solves, or a data-free recipe's streaming), divided
+over the processes; plus the Hessians' all-reduce between processes. The constants and where they were measured:
 
 - CPU_*: benchmarks/convert_cost.py on the shared 2-core CPU machine this was written on
   (benchmarks/results/convert_cost.json: bf16 GEMM 3.1 GFLOP/s, fp32 GPTQ 0.45 GFLOP/s, read 292 MB/s, write
   175 MB/s, 2 torch threads, other sessions running). A different CPU: rerun it and scale.
+- CPU_STREAM_PARAMS_PER_S: a data-free recipe's stream (qtk.pipeline.stream: rounding, decoding for the error,
+  packing, the copies to and from the page cache, the self-check reading every written Linear back) per parameter
+  of the decoder layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus
+  the 2-layer run over 4 layers of 218.1M parameters (medians of 3, 2 cores, page cache warm;
+  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`). CPU_PROCESS_BYTES: the host memory of
+  that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the 64 MiB copy
+  buffers, the rounding's temporaries), the largest any recipe's 6-layer run left over in that file's peak RSS.
 - GPU_*: NOT measured (no GPU was available): fractions of the GPU's dense bf16 peak (qtk.plan.hardware) assumed
   for calibration forwards (35 %) and GPTQ's fp32 solves (3 %: fp32 without TF32, small triangular solves);
   benchmarks/convert_gpu.py measures what they should be replaced with.
@@ -17,16 +24,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qtk.plan.memory import ConversionMemory, ModelShape, model_tensors, scheme_of
+from qtk.plan.memory import DTYPE_BYTES, ConversionMemory, ModelShape, model_tensors, scheme_of
 
 CPU_GEMM_FLOPS = 3.1e9
 CPU_SOLVE_FLOPS = 0.45e9
 CPU_READ_BPS = 292e6
 CPU_WRITE_BPS = 175e6
+CPU_STREAM_PARAMS_PER_S = {"fp8": 175e6, "int8": 123e6, "int4": 131e6, "nvfp4": 84e6, "mx": 85e6, "fp8-block": 122e6}
+CPU_PROCESS_BYTES = 335e6
+GPU_HOST_LINK_BPS = 20e9  # host <-> GPU copies of the data-free stream (assumed: PCIe Gen4/5 x16, pageable memory)
 GPU_GEMM_EFFICIENCY = 0.35
 GPU_SOLVE_EFFICIENCY = 0.03
 GPU_LINK_BPS = 50e9  # NCCL all-reduce bandwidth between GPUs (assumed; NVLink nodes reach more)
 CPU_LINK_BPS = 1e9  # gloo on one host (assumed)
+
+
+def stream_format(scheme) -> str:
+    """The key of CPU_STREAM_PARAMS_PER_S a weight scheme (qtk.quant.scheme.QuantScheme) streams at."""
+    if scheme.is_nvfp4:
+        return "nvfp4"
+    if scheme.is_mx:
+        return "mx"
+    if scheme.strategy == "block":
+        return "fp8-block"
+    if scheme.is_fp8:
+        return "fp8"
+    return "int8" if scheme.num_bits == 8 else "int4"
 
 
 @dataclass
@@ -54,7 +77,15 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
     lin = [x for x in specs if x.role == "linear" and x.layer is not None]
     layer_params = sum(x.numel for x in lin) / layers
     notes = []
-    forward = solve = reduce_bytes = 0.0
+    forward = solve = reduce_bytes = stream = 0.0
+    if recipe is not None and not recipe.needs_calibration:
+        # data-free: each quantized Linear streams once (the rest is copied, part of the disk time)
+        for x in lin:
+            sch = scheme_of(recipe, x.name)
+            if sch is not None:
+                n = x.numel
+                stream += (n * 3 / GPU_HOST_LINK_BPS if gpu is not None  # 2 bytes there, about 1 back
+                           else n / CPU_STREAM_PARAMS_PER_S[stream_format(sch.weights)])
     if recipe is not None and recipe.needs_calibration:
         n, t = recipe.calibration.num_samples, recipe.calibration.seq_len
         tokens = n * t
@@ -85,11 +116,22 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
     p = max(processes, 1)
     parts = {"read": source_bytes / CPU_READ_BPS, "write": output_bytes / CPU_WRITE_BPS,
              "forward": forward / gemm / p, "solve": solve / solve_rate / p,
-             "reduce": (reduce_bytes * 2 * (p - 1) / p) / link if p > 1 else 0.0}
-    seconds = max(parts["read"] + parts["write"], parts["forward"] + parts["solve"] + parts["reduce"])
+             "reduce": (reduce_bytes * 2 * (p - 1) / p) / link if p > 1 else 0.0, "stream": stream}
+    # one process streams a data-free recipe (the others of a torchrun have nothing to share)
+    seconds = max(parts["read"] + parts["write"], parts["forward"] + parts["solve"] + parts["reduce"] + stream)
     seconds += (parts["read"] + parts["write"]) / layers  # the first read and the last write do not overlap
     per_process_acts = mem.calibration // p
     layer = mem.layer_fp32
+    if recipe is not None and not recipe.needs_calibration:
+        # the stream: one layer in the model dtype read ahead while one is rounded, the written layer behind them;
+        # the embedding and lm_head are copied in 64 MiB chunks (never whole)
+        src_layer = layer // 4 * DTYPE_BYTES[s.dtype]
+        outer = sum(x.numel for x in specs if x.layer is None) * DTYPE_BYTES[s.dtype]  # copied as they are
+        out_layer = max(output_bytes - outer, 0) // layers
+        host = CPU_PROCESS_BYTES + 2 * src_layer + out_layer
+        device_peak = 0 if gpu is None else 2 * src_layer
+        notes.append("no calibration: the layers stream through one process" + (" (rank 0; the others wait)" if p > 1 else ""))
+        return ConversionEstimate(name, p, int(host), int(device_peak), seconds, parts, tuple(notes))
     if gpu is None:
         host = mem.embeddings + 2 * layer + per_process_acts + mem.hessians + mem.awq_cache
         device_peak = 0
