@@ -5,9 +5,11 @@ Time = the larger of disk time (source read once, output written once: layers ar
 while they compute) and compute time (calibration forwards, GPTQ solves, or a data-free recipe's streaming), divided
 over the processes; plus the Hessians' all-reduce between processes. The constants and where they were measured:
 
-- CPU_*: benchmarks/convert_cost.py on the shared 2-core CPU machine this was written on
-  (benchmarks/results/convert_cost.json: bf16 GEMM 3.1 GFLOP/s, fp32 GPTQ 0.45 GFLOP/s, read 292 MB/s, write
-  175 MB/s, 2 torch threads, other sessions running). A different CPU: rerun it and scale.
+- CPU_*: benchmarks/convert_cost.py on the 2-core CPU machine this was written on, an AMD EPYC VM with
+  AVX512-BF16 (benchmarks/results/convert_cost.json, hidden 2048, the median of three runs of 620-727 GFLOP/s:
+  bf16 GEMM 705 GFLOP/s, fp32 GPTQ 48 GFLOP/s, read 1.6 GB/s, write 0.42 GB/s with fsync, 2 torch threads; an
+  earlier machine without AVX512-BF16 measured 3.1 GFLOP/s, 0.45, 292 MB/s and 175 MB/s). A different CPU:
+  rerun it and scale.
 - CPU_STREAM_PARAMS_PER_S: a data-free recipe's stream (qtk.pipeline.stream: rounding, decoding for the error,
   packing, the copies to and from the page cache, the self-check reading every written Linear back) per parameter
   of the decoder layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus
@@ -26,10 +28,10 @@ from dataclasses import dataclass, field
 
 from qtk.plan.memory import DTYPE_BYTES, ConversionMemory, ModelShape, model_tensors, scheme_of
 
-CPU_GEMM_FLOPS = 3.1e9
-CPU_SOLVE_FLOPS = 0.45e9
-CPU_READ_BPS = 292e6
-CPU_WRITE_BPS = 175e6
+CPU_GEMM_FLOPS = 705e9
+CPU_SOLVE_FLOPS = 48e9
+CPU_READ_BPS = 1.6e9
+CPU_WRITE_BPS = 0.42e9
 CPU_STREAM_PARAMS_PER_S = {"fp8": 175e6, "int8": 123e6, "int4": 131e6, "nvfp4": 84e6, "mx": 85e6, "fp8-block": 122e6}
 CPU_PROCESS_BYTES = 335e6
 GPU_HOST_LINK_BPS = 20e9  # host <-> GPU copies of the data-free stream (assumed: PCIe Gen4/5 x16, pageable memory)
