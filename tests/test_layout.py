@@ -118,3 +118,19 @@ def test_a_data_free_conversion_imports_no_transformers(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "o" / "vllm" / "model.safetensors").is_file()
+
+
+def test_a_source_whose_config_leaves_a_size_to_the_defaults_takes_the_skeletons_layout(tmp_path):
+    """ModelSource.layout() where config.json omits num_key_value_heads (the class default decides): the skeleton is
+    built and its layout checked and used, equal to what config.json with the key gives."""
+    from qtk.model.source import ModelSource
+
+    model = make_tiny_model(tmp_path / "m", layers=2, kv_heads=4, tokenizer=False)  # heads 4: the default is heads
+    full = ModelSource(model).layout()
+    cfg = json.loads((model / "config.json").read_text())
+    del cfg["num_key_value_heads"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    src = ModelSource(model)
+    assert layout_from_config(src.config_dict, src.arch) is None
+    layout = src.layout()
+    assert src._skeleton is not None and same(layout, full)
