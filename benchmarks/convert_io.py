@@ -9,7 +9,7 @@ data-free recipes), and the conversion's peak host memory.
     python benchmarks/convert_io.py --recipes data-free --shape llama3-8b --layers 2 6 \
         --json benchmarks/results/convert_io_datafree_llama3_8b.json  # issue 13's table, and the per-layer cost
 
-With several --layers, each model is measured in turn and every recipe's cost per layer is the slope between the
+With several --layers, every model is built first and each repeat runs them in turn; every recipe's cost per layer is the slope between the
 fewest and the most layers (`per_layer`: seconds, and decoder-layer parameters per second, the constants
 qtk/plan/convert_cost.py's CPU_STREAM_PARAMS_PER_S takes from this file).
 
@@ -18,10 +18,10 @@ then the converted checkpoint's tensors written once with safetensors and fsync'
 warm for both (the source is read once before timing), and each starts after os.sync() with no earlier output left
 to delete, so neither pays for the other's write-back; with --cold the page cache is dropped before each instead,
 so both read the source from the disk (the conversion reads layer i+1 while layer i rounds). `convert_s` is the manifest's total (process
-start-up excluded); `prepare_s` is its part that opens the model (imports, config, the meta skeleton),
+start-up excluded); `prepare_s` is its part that opens the model (config, headers; the meta skeleton for calibrated recipes),
 which does not grow with the model, so `ratio_after_prepare` is what the ratio tends to on large models.
-`peak_rss_mb` is the kernel's ru_maxrss of the conversion process (file pages of the mmap'd source it
-touched count too). The --shape llama3-8b model is written tensor by tensor (random bf16, 1 GB shards),
+`peak_rss_mb` is the kernel's ru_maxrss of the conversion process (qtk reads the source with positioned reads,
+not a mapping, so none of the page cache counts). The --shape llama3-8b model is written tensor by tensor (random bf16, 1 GB shards),
 never held whole, so it can be built on a machine with little memory.
 """
 

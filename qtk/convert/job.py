@@ -62,7 +62,7 @@ class ConvertJob:
 
     def run(self) -> ConvertResult:
         self.prepare()
-        # opening the model (imports, config, the meta skeleton): the part of `total` that does not grow with its size
+        # opening the model (config, headers, checks; the meta skeleton for a calibrated recipe): the part of `total` that does not grow with its size
         self.timings["prepare"] = time.perf_counter() - self.t_start
         self.join()
         try:

@@ -13,7 +13,7 @@ over the processes; plus the Hessians' all-reduce between processes. The constan
 - CPU_STREAM_PARAMS_PER_S: a data-free recipe's stream (qtk.pipeline.stream: rounding, decoding for the error,
   packing, the copies to and from the page cache, the self-check reading every written Linear back) per parameter
   of the decoder layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus
-  the 2-layer run over 4 layers of 218.1M parameters (medians of 3, 2 cores, page cache warm;
+  the 2-layer run over 4 layers of 218.1M parameters (medians of 5, 2 cores, page cache warm;
   benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`). CPU_PROCESS_BYTES: the host memory of
   that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the 64 MiB copy
   buffers, the rounding's temporaries), the largest any recipe's 6-layer run left over in that file's peak RSS.
@@ -80,7 +80,8 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
     layer_params = sum(x.numel for x in lin) / layers
     notes = []
     forward = solve = reduce_bytes = stream = 0.0
-    if recipe is not None and not recipe.needs_calibration:
+    data_free = recipe is not None and not recipe.needs_calibration
+    if data_free:
         # data-free: each quantized Linear streams once (the rest is copied, part of the disk time)
         for x in lin:
             sch = scheme_of(recipe, x.name)
@@ -88,7 +89,7 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
                 n = x.numel
                 stream += (n * 3 / GPU_HOST_LINK_BPS if gpu is not None  # 2 bytes there, about 1 back
                            else n / CPU_STREAM_PARAMS_PER_S[stream_format(sch.weights)])
-    if recipe is not None and recipe.needs_calibration:
+    elif recipe is not None:
         n, t = recipe.calibration.num_samples, recipe.calibration.seq_len
         tokens = n * t
         steps = set(recipe.step_names)
@@ -124,7 +125,7 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
     seconds += (parts["read"] + parts["write"]) / layers  # the first read and the last write do not overlap
     per_process_acts = mem.calibration // p
     layer = mem.layer_fp32
-    if recipe is not None and not recipe.needs_calibration:
+    if data_free:
         # the stream: one layer in the model dtype read ahead while one is rounded, the written layer behind them;
         # the embedding and lm_head are copied in 64 MiB chunks (never whole)
         src_layer = layer // 4 * DTYPE_BYTES[s.dtype]
