@@ -429,9 +429,11 @@ def _constant(v) -> bool:
     if v.element_size() != 1:
         return bool((v == v[0]).all())
     u = v.view(torch.uint8)
-    lo, hi = torch.aminmax(u)
-    if not v.is_floating_point() or int(lo) != int(hi):  # FP4 codes are uint8: equal values are equal bytes
-        return int(lo) == int(hi) or (v.is_floating_point() and int(torch.aminmax(u & 0x7F)[1]) == 0)  # only ±0
+    lo, hi = (int(x) for x in torch.aminmax(u))
+    if not v.is_floating_point():  # FP4 codes are uint8: equal values are equal bytes
+        return lo == hi
+    if lo != hi:  # several bytes: equal values only if every one is +0 (0x00) or -0 (0x80), which needs lo 0, hi 0x80
+        return lo == 0 and hi == 0x80 and int(torch.aminmax(u & 0x7F)[1]) == 0
     return not bool(torch.isnan(v[0].float()))
 
 

@@ -260,3 +260,23 @@ def test_awq_checkpoints_without_recorded_scales_are_not_misjudged(tiny_llama, c
     rep = api.inspect(d)
     cmp = next(c for c in rep.checks if c.name == "written weights match the source")
     assert rep.ok and "not compared" in cmp.detail and len(rep.errors) < 14
+
+
+def test_constant_compares_values_bytewise_for_one_byte_dtypes():
+    """checks._constant: +0 and -0 are equal, NaN equals nothing, any other byte breaks constancy (fp8 bytes compared
+    without a float copy); uint8 FP4 codes and int8 values equal when their bytes are."""
+    from qtk.checks import _constant
+
+    fp8 = lambda codes: torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert _constant(fp8([0x38] * 5))  # 1.0 everywhere
+    assert _constant(fp8([0x00, 0x80, 0x00, 0x80]))  # +0 and -0
+    assert not _constant(fp8([0x00, 0x80, 0x05]))  # zeros and a subnormal between their bytes
+    assert not _constant(fp8([0x00, 0x40, 0x80]))
+    assert not _constant(fp8([0x38, 0x39]))
+    assert not _constant(fp8([0x7F, 0x7F]))  # NaN
+    assert _constant(torch.tensor([7, 7, 7], dtype=torch.uint8))
+    assert not _constant(torch.tensor([0, 128], dtype=torch.uint8))  # FP4 codes: +0 and -0 are different codes
+    assert not _constant(torch.tensor([0, -128], dtype=torch.int8))
+    w = torch.randn(4096).to(torch.float8_e4m3fn)
+    assert not _constant(w) and _constant(w[:1]) is True
+    assert _constant(torch.zeros(3, dtype=torch.bfloat16)) and not _constant(torch.tensor([0.0, 1.0]))
