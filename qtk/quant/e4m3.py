@@ -3,8 +3,9 @@ a bf16 -> float32 copy), and the data-free stream decodes every FP8 weight it wr
 self-check's figures), as do the self-check and the simulation. Bit arithmetic on int16 does it vectorised: the
 e4m3 bits s.eeee.mmm, moved to bf16's positions (s at bit 15, eeee.mmm at bits 10..4), are a bf16 whose value is
 the e4m3 value times 2^-120, normal and subnormal codes alike (both formats put the exponent bias in the same
-place), so one exact multiply by 2^120 gives the value. The two NaN codes (0x7f, 0xff) have no such image: a
-tensor holding one is cast by torch. So is every tensor when the trick does not reproduce torch's cast of all 256
+place), so one exact multiply by 2^120 gives the value. The two NaN codes (0x7f, 0xff) have no such image (they
+decode to +-480, past the largest finite 448, so the result's min/max finds them): a tensor holding one is cast by
+torch. So is every tensor when the trick does not reproduce torch's cast of all 256
 codes on this machine (a process with denormals flushed to zero, say), checked once."""
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def to_float32(t: torch.Tensor) -> torch.Tensor:
         return t.float()
     if t.device.type != "cpu" or not t.numel() or not _trick_holds():
         return t.float()
-    if int(t.view(torch.uint8).bitwise_and(0x7F).max()) == 0x7F:  # a NaN code: torch's cast keeps it NaN
+    out = _bits_to_float(t.contiguous())
+    # a NaN code (s.1111.111) lands where 480 would (the largest finite e4m3 is 448): one reduction over the result
+    # finds it, with no temporary the size of t; torch's cast keeps it NaN
+    lo, hi = torch.aminmax(out)
+    if max(-float(lo), float(hi)) > 448.0:
         return t.float()
-    return _bits_to_float(t.contiguous())
+    return out

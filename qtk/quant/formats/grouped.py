@@ -51,10 +51,14 @@ def regroup(t: torch.Tensor, w_shape, scheme: QuantScheme) -> torch.Tensor:
 
 
 def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    q = to_float32(q)  # int codes, or fp8 decoded by bit arithmetic (qtk.quant.e4m3)
-    if zero is not None:
-        q = q - zero
-    return q * scale
+    qf = to_float32(q)  # int codes, or fp8 decoded by bit arithmetic (qtk.quant.e4m3)
+    keeps = all(x is None or (torch.result_type(qf, x) == qf.dtype and torch.broadcast_shapes(qf.shape, x.shape) == qf.shape)
+                for x in (zero, scale))  # the float32 result has qf's shape and dtype: in place gives the same values
+    if qf is q or not keeps:  # q's own tensor, or a result another shape or dtype
+        return (qf - zero if zero is not None else qf) * scale
+    if zero is not None:  # in place on the new float32 copy: no second weight-sized temporary
+        qf.sub_(zero)
+    return qf.mul_(scale)
 
 
 class GroupedFormat(Format):
