@@ -226,11 +226,17 @@ class ConvertJob:
         what was measured (a dropped g_idx, a wrong scale, metadata that decodes differently) fails here, exit 1."""
         from qtk.checks import check_checkpoint
         from qtk.export import open_checkpoint
+        from qtk.io.safetensors import reusing_read_buffers
 
         t0 = time.perf_counter()
+        # each module's tensors read into the buffers the last module's left (same sizes layer after layer), at most
+        # one source layer's bytes idle
+        idle = self.source.layout().largest_layer_numel() * self.source.dtype.itemsize
         for t, w in zip(self.targets, self.writers):  # judged from the bytes just written, before anything is renamed
             self.stage(f"checking {t}")
-            rep = check_checkpoint(open_checkpoint(w.dir), source=self.source, recipe=self.recipe, measured=self.measured)
+            with reusing_read_buffers(idle):
+                rep = check_checkpoint(open_checkpoint(w.dir), source=self.source, recipe=self.recipe,
+                                       measured=self.measured)
             if not rep.ok:
                 raise CheckFailed(f"post-conversion check of the {t} output failed: {'; '.join(rep.failures()[:2])}",
                                   "nothing was written; report this with the model config and recipe")

@@ -10,6 +10,8 @@ the two equal, names, shapes and order, for every family and bias variant."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from qtk.model.arch import DOWN, GATE, GATE_UP, K, O, Q, QKV, UP, V, Arch
@@ -72,6 +74,10 @@ class Layout:
         for i, layer in enumerate(self.layers):
             out.update({f"{self.layer_prefix}.{i}.{n}": s for n, s in layer})
         return out
+
+    def largest_layer_numel(self) -> int:
+        """Elements of the largest decoder layer's parameters (0 without layers)."""
+        return max((sum(math.prod(shape) for _, shape in layer) for layer in self.layers), default=0)
 
     def groups(self) -> list[list[str]]:
         """The parameters, each as the names it goes by (several when tied)."""

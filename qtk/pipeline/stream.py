@@ -21,6 +21,7 @@ import torch
 from qtk.model.simulate import engine_weight
 from qtk.quant.error import ErrorSum
 from qtk.pipeline.device import compute_dtype, resolve_device
+from qtk.io.safetensors import reusing_read_buffers
 from qtk.pipeline.memory import map_large_allocations, release_freed_memory
 from qtk.pipeline.loop import (WriteBehind, background, check_finite, replay_layers, runnable_steps,
                                write_non_layer)
@@ -51,14 +52,11 @@ class _LayerReader:
         self.enabled = enabled
         self.ahead = None
         self.size = torch.empty((), dtype=self.dtype).element_size()
-        self.budget = budget if budget is not None else max(self._bytes(i) for i in range(len(self.layers)))
+        self.budget = budget if budget is not None else layout.largest_layer_numel() * self.size
         self.cond = threading.Condition(threading.RLock())  # a finalizer may run in the thread that holds it
         self.held = 0  # bytes of read tensors still alive
         self.wanted = -1  # the layer the loop waits for
         self.peak_held = 0
-
-    def _bytes(self, i: int) -> int:
-        return sum(math.prod(shape) * self.size for _, shape in self.layers[i])
 
     def _release(self, n: int) -> None:
         with self.cond:
@@ -177,8 +175,10 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     stats.timings["capture"] = time.perf_counter() - t0
     t_layers = time.perf_counter()
     reader = _LayerReader(source, layout, device, overlap)
+    # layer i+1 read into the buffers layer i's tensors leave (no page faults on them after the first layer); at
+    # most one layer's bytes wait idle
     try:
-        with WriteBehind(sinks, resume, overlap) as writer:
+        with reusing_read_buffers(reader.budget), WriteBehind(sinks, resume, overlap) as writer:
             if resume is None:
                 # copied from the source shards in bounded chunks (none held whole) by the writing thread, first,
                 # while the first layers are read and rounded: disk and CPU overlap

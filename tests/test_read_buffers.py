@@ -1,0 +1,67 @@
+"""Read buffers reused from tensor to tensor (qtk.io.safetensors.ReadBuffers): a buffer goes back to the pool only
+when no tensor or view of it is alive, tensors read into a reused buffer hold their own bytes, and at most
+`max_idle` bytes wait in the pool."""
+
+import gc
+
+import torch
+from safetensors.torch import save_file
+
+from qtk.io.safetensors import ReadBuffers, SafetensorsFile, reusing_read_buffers
+
+
+def test_a_buffer_is_reused_only_after_every_view_of_it_is_gone():
+    pool = ReadBuffers(max_idle=1 << 20)
+    a = pool.take(4096)
+    ptr = a.data_ptr()
+    view = a.view(torch.int32)[10:20]  # a view outliving its tensor keeps the buffer
+    del a
+    gc.collect()
+    b = pool.take(4096)
+    assert b.data_ptr() != ptr and pool.idle == 0
+    del view
+    gc.collect()
+    assert pool.idle == 4096
+    c = pool.take(4096)
+    assert c.data_ptr() == ptr and pool.idle == 0
+    d = pool.take(2048)  # another size: a new buffer
+    assert d.data_ptr() not in (ptr, b.data_ptr())
+
+
+def test_at_most_max_idle_bytes_wait_and_a_closed_pool_keeps_nothing():
+    pool = ReadBuffers(max_idle=10_000)
+    bufs = [pool.take(4000) for _ in range(3)]
+    del bufs
+    gc.collect()
+    assert pool.idle == 8000  # the third did not fit
+    pool.close()
+    assert pool.idle == 0 and not pool.free
+    e = pool.take(4000)
+    del e
+    gc.collect()
+    assert pool.idle == 0
+
+
+def test_tensors_read_into_reused_buffers_hold_their_own_bytes(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(64, 33, generator=g).to(torch.bfloat16) for i in range(4)}
+    tensors["n"] = torch.randn(7, generator=g)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    f = SafetensorsFile(tmp_path / "m.safetensors")
+    with reusing_read_buffers(1 << 20) as pool:
+        first = f.get_tensor("w0")
+        ptr = first.data_ptr()
+        assert torch.equal(first, tensors["w0"])
+        kept = f.get_tensor("w1")  # alive: never handed out again while it lives
+        del first
+        gc.collect()
+        for name in ("w2", "w3", "w0"):
+            t = f.get_tensor(name)
+            assert t.data_ptr() == ptr and torch.equal(t, tensors[name])  # every byte overwritten by the read
+            assert t.data_ptr() != kept.data_ptr()
+            del t
+            gc.collect()
+        assert torch.equal(kept, tensors["w1"]) and torch.equal(f.get_tensor("n"), tensors["n"])
+    assert pool.closed
+    outside = f.get_tensor("w0")  # outside the block: a fresh buffer each read
+    assert torch.equal(outside, tensors["w0"])
