@@ -176,9 +176,9 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     t_layers = time.perf_counter()
     reader = _LayerReader(source, layout, device, overlap)
     # layer i+1 read into the buffers layer i's tensors leave (no page faults on them after the first layer); at
-    # most one layer's bytes wait idle
+    # most one layer's bytes as stored (the source dtype) wait idle
     try:
-        with reusing_read_buffers(reader.budget), WriteBehind(sinks, resume, overlap) as writer:
+        with reusing_read_buffers(layout.largest_layer_numel() * source.dtype.itemsize), WriteBehind(sinks, resume, overlap) as writer:
             if resume is None:
                 # copied from the source shards in bounded chunks (none held whole) by the writing thread, first,
                 # while the first layers are read and rounded: disk and CPU overlap
