@@ -27,6 +27,15 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def torch_path(monkeypatch):
+    """qtk's native CPU kernels off (qtk.quant.native): the torch path they replace, which must stay correct on its own
+    (machines without a C compiler, accelerators)."""
+    import qtk.quant.native.rounding as native
+
+    monkeypatch.setattr(native, "library", lambda: None)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """2-layer random Llama, bf16, GQA (4 heads, 2 KV heads), widths divisible by 128 for int4 g128."""

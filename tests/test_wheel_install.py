@@ -71,6 +71,7 @@ def test_wheel_ships_recipes_and_corpus(wheel):
     missing = [f for f in PACKAGE_DATA if f not in names]
     assert not missing, f"package data left out of the wheel (pyproject.toml package-data): {missing}"
     assert any(f.startswith("qtk/data/recipes/") for f in PACKAGE_DATA) and "qtk/data/calib/default.jsonl" in PACKAGE_DATA
+    assert "qtk/quant/native/kernels.c" in names  # the native kernels' source, built on first use
 
 
 def test_one_source_of_truth():
@@ -111,3 +112,9 @@ def test_installed_wheel_works_from_another_directory(venv, tmp_path):
 
     r = _sh(bin_ / "qtk", "inspect", "out/vllm", cwd=work, env=env)
     assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout + r.stderr
+
+    if shutil.which(os.environ.get("CC") or "cc"):  # the native kernels build from the installed package's source
+        r = _sh(bin_ / "python", "-c", "import qtk.quant.native as n; print(n.library() is not None, n.SOURCE)", cwd=work,
+                env={**env, "QTK_CACHE_DIR": str(tmp_path / "cache")})
+        ok, src = r.stdout.split()
+        assert ok == "True" and Path(src).resolve().is_relative_to(venv.resolve()), r.stdout + r.stderr

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from qtk.model.simulate import engine_weight
-from qtk.quant.error import ErrorSum
+from qtk.quant.error import ErrorSum, block_rows
 from qtk.pipeline.device import compute_dtype, resolve_device
 from qtk.io.safetensors import reusing_read_buffers
 from qtk.pipeline.memory import map_large_allocations, release_freed_memory
@@ -122,6 +122,11 @@ class _Measure:
         err, plo, phi = self.sums.get(name) or (ErrorSum(), lo, hi)
         err.add(decoded, w32)
         self.sums[name] = (err, torch.minimum(plo, lo), torch.maximum(phi, hi))
+
+    def native(self, name: str, qt, sums) -> None:
+        # the kernel refuses a weight or scale that is not finite (the torch path then raises): both are finite here
+        self.sums[name] = (ErrorSum().add_rows(sums.row_e, sums.row_w, block_rows(qt.shape)),
+                           torch.tensor(-sums.amax), torch.tensor(sums.amax))
 
     def done(self, name: str, qt) -> None:
         from qtk.pipeline.result import Measured

@@ -9,7 +9,11 @@ norm of a whole weight: on a 14336 x 4096 weight that norm was 0.4 % off the flo
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from qtk.quant.native import rounding as native
 
 ERROR_BLOCK_BYTES = 2 << 20  # float32 bytes per block
 
@@ -29,7 +33,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class ErrorSum:
-    """Squared norms of W_hat - W and of W, added block by block (float64 on W's device: no host sync per block)."""
+    """Squared norms of W_hat - W and of W, added block by block (float64 on W's device: no host sync per block).
+    On the CPU with qtk's native kernels (qtk.quant.native) each block's sums are float64 sums of float32 differences,
+    row by row (qtk_sq_rows), as the native rounding kernel forms them while it rounds: the stream and the module
+    loop then give the same figure whichever of the two made it. Without the kernels (or on an accelerator) a
+    block's are its float32 norms squared; the two figures agree to float32 rounding."""
 
     def __init__(self):
         self.err = self.ref = None
@@ -39,6 +47,9 @@ class ErrorSum:
         first row given must start a block (block_rows of the whole weight's shape)."""
         w_hat, ref = _rows(w_hat), _rows(ref)
         step = block_rows(ref.shape)
+        rows = native.sq_rows(w_hat, ref)
+        if rows is not None:
+            return self.add_rows(*rows, step)
         for r in range(0, ref.shape[0], step):
             d = w_hat[r:r + step].float() - ref[r:r + step]
             e = torch.linalg.vector_norm(d).double().square()
@@ -46,9 +57,17 @@ class ErrorSum:
             self.err, self.ref = (e, w) if self.err is None else (self.err + e, self.ref + w)
         return self
 
+    def add_rows(self, row_e: torch.Tensor, row_w: torch.Tensor, step: int) -> "ErrorSum":
+        """Per-row float64 sums (qtk.quant.native), added `step` rows per block in order."""
+        for e, w in zip(native.block_sums(row_e, step), native.block_sums(row_w, step)):
+            self.err, self.ref = (e, w) if self.err is None else (self.err + e, self.ref + w)
+        return self
+
     def value(self) -> float:
         if self.err is None:
             return 0.0
+        if isinstance(self.err, float) and isinstance(self.ref, float):
+            return math.sqrt(self.err) / max(math.sqrt(self.ref), 1e-12)
         return float(self.err.sqrt() / self.ref.sqrt().clamp_min(1e-12))
 
 

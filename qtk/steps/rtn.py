@@ -9,6 +9,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from qtk.quant.native import rounding
 from qtk.quant.error import block_rows
 from qtk.quant.formats import format_for
 from qtk.quant.qtensor import QTensor
@@ -56,6 +57,10 @@ class Measure(Protocol):
     def block(self, name: str, r0: int, w32: torch.Tensor, qt: QTensor, decoded: torch.Tensor | None = None) -> None:
         """decoded: the engine's float32 decode of qt (engine_weight), when the rounding made it on the way."""
 
+    def native(self, name: str, qt: QTensor, sums) -> None:
+        """The whole weight rounded by qtk's native kernel (qtk.quant.native.grouped), with its per-row error sums and
+        largest decoded magnitude (RowSums) in place of the blocks."""
+
     def done(self, name: str, qt: QTensor) -> None: ...
 
 
@@ -91,10 +96,23 @@ def quantize_rows(w: torch.Tensor, scheme: QuantScheme, dtype, rows: int,
 
 
 def _round(w: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.Tensor] | None = None,
-           on_block: Callable[..., None] | None = None) -> QTensor:
+           on_block: Callable[..., None] | None = None, on_native: Callable[..., None] | None = None) -> QTensor:
     """w's QTensor (w in any float dtype, rounded from its float32 values; under a fusion group's tensor-wide part
-    `extra`, if given): a row block at a time when the weight is large and its rows round on their own
-    (row_block), so no whole-weight float32 temporaries; otherwise from one float32 copy, shown whole to on_block."""
+    `extra`, if given). On the CPU, the schemes qtk's native kernel covers (per-channel / per-group symmetric int
+    and fp8, fp8 blocks, MXFP4, NVFP4: qtk.quant.native.rounding) are rounded there, the same codes and scales in one
+    pass per row, and shown to on_native(qt, RowSums) when given. Otherwise a row block at a time when the weight
+    is large and its rows round on their own (row_block), so no whole-weight float32 temporaries; else from one
+    float32 copy, shown whole to on_block."""
+    fmt = format_for(scheme)
+    if extra is None and fmt.tensor_wide(scheme):
+        extra = fmt.shared_extra([w], scheme, dtype)
+    got = rounding.native_rtn(w, scheme, dtype, extra, want_error=on_native is not None)
+    if got is not None:
+        values, scale, sums = got
+        qt = QTensor(values, scale, scheme, None, None, dtype, dict(extra or {}))
+        if on_native is not None:
+            on_native(qt, sums)
+        return qt
     rows = row_block(scheme, w.shape)
     if rows is not None:
         return quantize_rows(w, scheme, dtype, rows, extra, on_block)
@@ -124,6 +142,9 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
     def shown(m: str):
         return None if measure is None else (lambda r0, w32, qt, decoded=None: measure.block(m, r0, w32, qt, decoded))
 
+    def native(m: str):
+        return None if measure is None else (lambda qt, sums: measure.native(m, qt, sums))
+
     def done(m: str, qt: QTensor) -> None:
         out[m] = qt
         if consume:
@@ -152,10 +173,10 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
             # min/max passes over the weights as given (model dtype in the stream): no float32 copy of any member yet
             extra = fmt.shared_extra([weights[m] for m in members], scheme, dtype)
             for m in members if extra is not None else ():
-                done(m, _round(weights[m], scheme, dtype, extra, shown(m)))
+                done(m, _round(weights[m], scheme, dtype, extra, shown(m), native(m)))
     for name in list(weights):  # names only: no reference to a weight beyond its own turn
         if name not in out:
-            done(name, _round(weights[name], schemes[name], dtype, on_block=shown(name)))
+            done(name, _round(weights[name], schemes[name], dtype, on_block=shown(name), on_native=native(name)))
     return out
 
 

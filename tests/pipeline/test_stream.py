@@ -34,10 +34,16 @@ def test_which_recipes_stream():
     ("fp8-dynamic", "phi3", {"pad_token_id": 0}),  # pre-fused Linears, o_proj before qkv_proj
     ("w8a16", "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # experts after the norms
 ])
-def test_stream_builds_the_module_loops_results_without_modules(recipe, model_type, extra, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_stream_builds_the_module_loops_results_without_modules(recipe, model_type, extra, kernels, tmp_path, monkeypatch,
+                                                                request):
     """Without a module and without the skeleton (names, shapes and order from config.json: qtk.model.layout), the
-    stream's results are the module loop's, tensor for tensor and in the same order."""
+    stream's results are the module loop's, tensor for tensor and in the same order, with qtk's native kernels and
+    with the torch path alike."""
     import torch
+
+    if kernels == "torch":
+        request.getfixturevalue("torch_path")
 
     import qtk.model.source as source_module
 
@@ -201,10 +207,10 @@ def test_the_self_check_scans_a_written_embedding_in_chunks_from_disk(tmp_path, 
 
 
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "w8a16", "w4a16", "mxfp4-a16", "nvfp4-a16"])
-def test_row_blocks_round_and_measure_as_the_whole_weight(recipe, tmp_path, monkeypatch):
+def test_row_blocks_round_and_measure_as_the_whole_weight(recipe, tmp_path, monkeypatch, torch_path):
     """A per-channel / per-group weight rounded a row block at a time (rtn.quantize_rows: no whole-weight float32
     temporaries) is the whole weight's QTensor bit for bit, and the stream's error, max |w| and digest decoded block by
-    block are the whole weight's figures exactly."""
+    block are the whole weight's figures exactly (the torch path: the native kernel rounds a weight whole)."""
     import torch
 
     from qtk.quant.qtensor import QTensor, qtensor_digest

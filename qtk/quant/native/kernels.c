@@ -1,0 +1,411 @@
+/* qtk's native CPU kernels (qtk/quant/native/__init__.py compiles this file on first use and checks it against the torch
+ * path before trusting it; any failure falls back to torch).
+ *
+ * qtk_rtn: round-to-nearest of a weight [rows, cols] whose scales each cover a group of columns of one row, or a
+ * tile of rows x columns, in one pass over each row while it sits in cache: the row's float32 values, each group's
+ * amax and scale, the codes, the engine's decode of the codes, and the relative error's squared sums. The torch
+ * path (qtk.quant.formats.*) makes ~10 passes over 2 MiB blocks for the same result. The arithmetic is the torch
+ * path's IEEE float32 operations in the same order, so codes and scales are equal bit for bit (tests/native checks
+ * every fp8 and fp4 rounding case and random weights of every kind, dtype and shape):
+ *
+ *   kind    scale of a group (amax = max |w|, float32)                          element q of w            decode
+ *   INT     s = amax / divisor (7.5, 127.5), rounded to the model dtype (h);   round-even(h(w / s)),     h(q * s)
+ *           zero -> h's eps (float32 model: 1.0)                               clamped to [qmin, qmax]
+ *   FP8     s = amax / 448, rounded to h; zero -> h's eps (float32: 1.0)       e4m3(clamp(h(w / s)))     q * s
+ *   BLOCK   as FP8 over a tile of rows x cols; zero -> eps also in float32     e4m3(clamp(h(h(w) / s)))  h(q * s)
+ *   MXFP4   2^(e - 2), e the exponent of amax rounded to a power of two        e2m1(clamp(w / s, 6))     h(q * s)
+ *           (up from a 1.75 mantissa); E8M0, clamped to codes 0..254
+ *   NVFP4   s = e4m3(clamp(gs * h(amax / 6), 448)), zero -> 0.125;            e2m1(clamp(w / (s / gs))) h(q * s / gs)
+ *           gs the tensor's (or fusion group's) global scale, given
+ *
+ * h: rounding to the model dtype (bf16 / fp16, nearest even; none for a float32 model). e4m3 and e2m1: nearest,
+ * ties to even, with subnormals and the sign of values that round to zero kept. Compile with -ffp-contract=off: a
+ * fused multiply-add would round once where the torch path rounds twice.
+ *
+ * qtk_sq_rows: per row, sum (dec - ref)^2 and sum ref^2 in float64: the difference rounded to float32 (as the torch
+ * path forms it), its square exact in float64, added in eight lanes by column (j % 8) combined pairwise. The rounding
+ * kernel sums its rows the same way, so the stream's error and the module loop's are the same number.
+ * qtk_block_sums: those row sums added in order, `step` rows per block (qtk.quant.error's blocks).
+ *
+ * Rows (tile rows for BLOCK) are split over `threads` POSIX threads in contiguous ranges; every figure is per row,
+ * so results do not depend on the thread count. */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { KIND_INT = 0, KIND_FP8 = 1, KIND_BLOCK = 2, KIND_MXFP4 = 3, KIND_NVFP4 = 4 };
+
+typedef struct {
+    const void *w;          /* [rows, cols], in_dtype, contiguous */
+    int64_t rows, cols;
+    int64_t group;          /* columns per scale (the last group of a BLOCK row may be narrower) */
+    int64_t group_rows;     /* rows per scale: 1, or the BLOCK tile's height */
+    int32_t in_dtype;       /* DT_* of w */
+    int32_t half;           /* DT_* of the model: what h rounds to (DT_F32: no rounding) */
+    int32_t kind;           /* KIND_* */
+    int32_t want_error;     /* compute row_e / row_w / hi */
+    float divisor;          /* INT, FP8, BLOCK: amax / divisor = scale */
+    float qmin, qmax;       /* INT grid */
+    float zero_scale;       /* INT, FP8, BLOCK: what a zero scale becomes */
+    float global_scale;     /* NVFP4 */
+    void *values;           /* [rows, cols]: int8 codes, e4m3 bytes or e2m1 codes (uint8, unpacked) */
+    float *scale;           /* [ceil(rows / group_rows), ceil(cols / group)] */
+    double *row_e, *row_w;  /* [rows] */
+    float *hi;              /* [threads]: max |decoded weight| */
+    int32_t *bad;           /* [threads]: a value or scale not finite (the caller redoes the weight in torch) */
+} qtk_rtn_args;
+
+#define INLINE static inline __attribute__((always_inline))
+
+static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* round half to even for |t| < 2^22, by the float adder itself (the default rounding mode; without -ffast-math the
+   compiler keeps both operations): vectorises where roundevenf does not */
+INLINE float round_even_small(float t) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return (t + magic) - magic;
+}
+
+/* nearest even; finite inputs (a weight holding NaN/Inf is flagged and redone in torch) */
+INLINE float round_bf16(float f) {
+    uint32_t u = bits_of_f32(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return f32_of_bits(u & 0xffff0000u);
+}
+
+/* f rounded to float16 and back, nearest even: 10 mantissa bits from 2^-14, multiples of 2^-24 below (subnormals),
+   Inf from 65520 (integer and float ops only, so it vectorises without AVX512-FP16) */
+INLINE float round_f16(float f) {
+    uint32_t u = bits_of_f32(f), sign = u & 0x80000000u, a = u & 0x7fffffffu;
+    uint32_t n = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;
+    n = n > 0x477fe000u ? 0x7f800000u : n;
+    float sub = round_even_small(f32_of_bits(a < 0x38800000u ? a : 0u) * 16777216.0f) * (1.0f / 16777216.0f);
+    return f32_of_bits(sign | (a < 0x38800000u ? bits_of_f32(sub) : n));
+}
+
+/* `dt` is a constant at every call (the callers are specialised per dtype), so this folds to one branch */
+INLINE float round_to(float f, const int dt) {
+    return dt == DT_BF16 ? round_bf16(f) : dt == DT_F16 ? round_f16(f) : f;
+}
+
+INLINE float f16_value(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu;
+    uint32_t normal = e == 31u ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13);
+    float sub = (float)m * (1.0f / 16777216.0f);
+    return f32_of_bits(sign | (e ? normal : bits_of_f32(sub)));
+}
+
+static void load_row(const void *w, int dt, int64_t off, int64_t n, float *out) {
+    if (dt == DT_F32) {
+        memcpy(out, (const float *)w + off, (size_t)n * 4);
+    } else if (dt == DT_BF16) {
+        const uint16_t *p = (const uint16_t *)w + off;
+        for (int64_t j = 0; j < n; j++) out[j] = f32_of_bits((uint32_t)p[j] << 16);
+    } else {
+        const uint16_t *p = (const uint16_t *)w + off;
+        for (int64_t j = 0; j < n; j++) out[j] = f16_value(p[j]);
+    }
+}
+
+/* e4m3 code of x, |x| <= 448 (clamped before): nearest even; below 2^-6 in units of 2^-9 (subnormals). */
+INLINE uint8_t e4m3_code(float x) {
+    uint32_t u = bits_of_f32(x);
+    uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+    uint32_t sub = (uint32_t)round_even_small(f32_of_bits(a < 0x3c800000u ? a : 0u) * 512.0f);
+    return (uint8_t)(sign | (a >= 0x3c800000u ? normal : sub));
+}
+
+INLINE float e4m3_value(uint8_t c) {
+    uint32_t e = (c >> 3) & 15u, m = c & 7u;
+    float mag = e ? f32_of_bits(((e + 120u) << 23) | (m << 20)) : (float)m * (1.0f / 512.0f);
+    return (c & 0x80u) ? -mag : mag;
+}
+
+/* e2m1 code of x, |x| <= 6 (clamped before): the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6, ties to the even code
+   (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); sign bit 3 when x < 0 */
+INLINE uint8_t e2m1_code(float x) {
+    float a = fabsf(x);
+    uint32_t m = (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) + (uint32_t)(a >= 1.75f)
+               + (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) + (uint32_t)(a > 5.0f);
+    return (uint8_t)(m | ((uint32_t)(x < 0.0f) << 3));
+}
+
+INLINE float e2m1_value(uint8_t c) {
+    float m = (float)(c & 7u);
+    float mag = m < 5.0f ? m * 0.5f : (m == 7.0f ? 6.0f : m - 2.0f);
+    return (c & 8u) ? -mag : mag;
+}
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef double v8d __attribute__((vector_size(64)));
+
+/* Lane k holds the columns j with j % 8 == k (GCC / Clang vector extensions: the same lane arithmetic on any
+   target; one AVX-512 register, or two AVX2 ones). */
+INLINE void sq_row(const float *d, const float *r, int64_t n, double *e_out, double *w_out) {
+    v8d ae = {0}, aw = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8f dv, rv;
+        memcpy(&dv, d + j, sizeof dv);
+        memcpy(&rv, r + j, sizeof rv);
+        v8d x = __builtin_convertvector(dv - rv, v8d), y = __builtin_convertvector(rv, v8d);
+        ae += x * x;
+        aw += y * y;
+    }
+    for (; j < n; j++) {
+        double x = (double)(d[j] - r[j]), y = (double)r[j];
+        ae[j & 7] += x * x;
+        aw[j & 7] += y * y;
+    }
+    *e_out = ((ae[0] + ae[1]) + (ae[2] + ae[3])) + ((ae[4] + ae[5]) + (ae[6] + ae[7]));
+    *w_out = ((aw[0] + aw[1]) + (aw[2] + aw[3])) + ((aw[4] + aw[5]) + (aw[6] + aw[7]));
+}
+
+/* max |x| of n floats as bits (for non-negative floats the integer order is the float order; NaN > Inf) */
+INLINE uint32_t amax_bits(const float *x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t b = bits_of_f32(x[j]) & 0x7fffffffu;
+        m = b > m ? b : m;
+    }
+    return m;
+}
+
+/* The stored scale of a group from its amax (bits), per the table above. */
+INLINE float group_scale(uint32_t mb, const qtk_rtn_args *a, const int half, const int kind) {
+    float m = f32_of_bits(mb);
+    if (kind == KIND_MXFP4) {
+        uint32_t e = ((mb + (1u << 21)) >> 23) & 0xffu;  /* exponent of amax rounded to a power of two */
+        uint32_t code = e > 2u ? e - 2u : 0u;             /* 127 + log2(pow2) - 2, 0 for a zero or tiny amax */
+        code = code > 254u ? 254u : code;
+        code = e == 255u ? 254u : code;                   /* rounded past the largest float: +Inf, clamped */
+        return code ? f32_of_bits(code << 23) : f32_of_bits(0x00400000u);  /* 2^(code - 127) */
+    }
+    if (kind == KIND_NVFP4) {
+        float t = a->global_scale * round_to(m / 6.0f, half);
+        t = t > 448.0f ? 448.0f : t;
+        float s = e4m3_value(e4m3_code(t));
+        return s == 0.0f ? 0.125f : s;
+    }
+    float s = round_to(m / a->divisor, half);
+    return s > 0.0f ? s : a->zero_scale;
+}
+
+/* Codes and decode (df) of n values x of one group under its stored scale s; returns the largest decoded
+   magnitude. */
+INLINE float group_round(const float *x, int64_t n, float s, const qtk_rtn_args *a, void *qv, float *df,
+                         const int half, const int kind) {
+    uint32_t dmax = 0;
+    if (kind == KIND_INT) {
+        int8_t *q = (int8_t *)qv;
+        const float qmin = a->qmin, qmax = a->qmax;
+        for (int64_t j = 0; j < n; j++) {
+            float v = round_even_small(round_to(x[j] / s, half));  /* |x / s| <= ~130 */
+            v = v < qmin ? qmin : v;
+            v = v > qmax ? qmax : v;
+            q[j] = (int8_t)v;
+            float d = round_to(v * s, half);
+            df[j] = d;
+            uint32_t db = bits_of_f32(d) & 0x7fffffffu;  /* |d| as bits: an integer max reduction vectorises */
+            dmax = db > dmax ? db : dmax;
+        }
+    } else if (kind == KIND_FP8 || kind == KIND_BLOCK) {
+        uint8_t *q = (uint8_t *)qv;
+        for (int64_t j = 0; j < n; j++) {
+            float xi = kind == KIND_BLOCK ? round_to(x[j], half) : x[j];  /* BLOCK divides the model-dtype weight */
+            float v = round_to(xi / s, half);
+            v = v < -448.0f ? -448.0f : v;
+            v = v > 448.0f ? 448.0f : v;
+            uint8_t c = e4m3_code(v);
+            q[j] = c;
+            float d = kind == KIND_BLOCK ? round_to(e4m3_value(c) * s, half) : e4m3_value(c) * s;
+            df[j] = d;
+            uint32_t db = bits_of_f32(d) & 0x7fffffffu;  /* |d| as bits: an integer max reduction vectorises */
+            dmax = db > dmax ? db : dmax;
+        }
+    } else {
+        uint8_t *q = (uint8_t *)qv;
+        const float eff = kind == KIND_NVFP4 ? s / a->global_scale : s;  /* s / gs formed first, in float32 */
+        for (int64_t j = 0; j < n; j++) {
+            float v = x[j] / eff;
+            v = v < -6.0f ? -6.0f : v;
+            v = v > 6.0f ? 6.0f : v;
+            uint8_t c = e2m1_code(v);
+            q[j] = c;
+            float d = round_to(e2m1_value(c) * eff, half);
+            df[j] = d;
+            uint32_t db = bits_of_f32(d) & 0x7fffffffu;  /* |d| as bits: an integer max reduction vectorises */
+            dmax = db > dmax ? db : dmax;
+        }
+    }
+    return f32_of_bits(dmax);
+}
+
+typedef struct {
+    const qtk_rtn_args *a;
+    int64_t r0, r1;
+    int t;
+} job_t;
+
+/* Rows [r0, r1) of one tile row (group_rows rows; 1 for row-wise kinds): scales first, over the whole tile, then
+   each row's codes, decode and error sums. Returns the largest decoded magnitude, or -1 when a value or scale is not
+   finite. */
+INLINE float tile_rows(const qtk_rtn_args *a, int64_t r0, int64_t r1, float *wf, float *df, uint32_t *tmax,
+                       float *ts, const int half, const int kind) {
+    const int64_t cols = a->cols, G = a->group, ng = (cols + G - 1) / G;
+    float dmax = 0.0f;
+    if (r1 - r0 > 1) {  /* a tile row: every row's amax first (the rows are read twice, from cache) */
+        for (int64_t g = 0; g < ng; g++) tmax[g] = 0;
+        for (int64_t r = r0; r < r1; r++) {
+            load_row(a->w, a->in_dtype, r * cols, cols, wf);
+            for (int64_t g = 0; g < ng; g++) {
+                uint32_t m = amax_bits(wf + g * G, (g + 1) * G <= cols ? G : cols - g * G);
+                tmax[g] = m > tmax[g] ? m : tmax[g];
+            }
+        }
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        load_row(a->w, a->in_dtype, r * cols, cols, wf);
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t n = (g + 1) * G <= cols ? G : cols - g * G;
+            if (r == r0) {
+                uint32_t mb = r1 - r0 > 1 ? tmax[g] : amax_bits(wf + g * G, n);
+                float s = group_scale(mb, a, half, kind);
+                if (mb >= 0x7f800000u || !isfinite(s)) return -1.0f;
+                ts[g] = s;
+                a->scale[(r0 / a->group_rows) * ng + g] = s;
+            }
+            float gm = group_round(wf + g * G, n, ts[g], a, (uint8_t *)a->values + r * cols + g * G, df + g * G, half,
+                                   kind);
+            dmax = gm > dmax ? gm : dmax;
+        }
+        if (a->want_error) sq_row(df, wf, cols, a->row_e + r, a->row_w + r);
+    }
+    return dmax;
+}
+
+#define TILE_CASE(H, K) \
+    if (a->half == H && a->kind == K) m = tile_rows(a, r, r1, wf, df, tmax, ts, H, K)
+
+static void *rtn_job(void *arg) {
+    const job_t *job = (const job_t *)arg;
+    const qtk_rtn_args *a = job->a;
+    const int64_t cols = a->cols, ng = (cols + a->group - 1) / a->group;
+    float *wf = (float *)malloc((size_t)cols * 4), *df = (float *)malloc((size_t)cols * 4);
+    float *ts = (float *)malloc((size_t)ng * 4);
+    uint32_t *tmax = (uint32_t *)malloc((size_t)ng * 4);
+    float hi = 0.0f;
+    int bad = 0;
+    if (!wf || !df || !ts || !tmax) {
+        bad = 2;
+    }
+    for (int64_t r = job->r0; r < job->r1 && !bad; r += a->group_rows) {
+        const int64_t r1 = r + a->group_rows < job->r1 ? r + a->group_rows : job->r1;
+        float m = -1.0f;
+        TILE_CASE(DT_BF16, KIND_INT); else TILE_CASE(DT_F16, KIND_INT); else TILE_CASE(DT_F32, KIND_INT);
+        else TILE_CASE(DT_BF16, KIND_FP8); else TILE_CASE(DT_F16, KIND_FP8); else TILE_CASE(DT_F32, KIND_FP8);
+        else TILE_CASE(DT_BF16, KIND_BLOCK); else TILE_CASE(DT_F16, KIND_BLOCK); else TILE_CASE(DT_F32, KIND_BLOCK);
+        else TILE_CASE(DT_BF16, KIND_MXFP4); else TILE_CASE(DT_F16, KIND_MXFP4); else TILE_CASE(DT_F32, KIND_MXFP4);
+        else TILE_CASE(DT_BF16, KIND_NVFP4); else TILE_CASE(DT_F16, KIND_NVFP4); else TILE_CASE(DT_F32, KIND_NVFP4);
+        if (m < 0.0f) {
+            bad = 1;
+            break;
+        }
+        hi = m > hi ? m : hi;
+    }
+    free(wf);
+    free(df);
+    free(ts);
+    free(tmax);
+    a->hi[job->t] = hi;
+    a->bad[job->t] = bad;
+    return NULL;
+}
+
+typedef struct {
+    const float *d, *ref;
+    int64_t cols, r0, r1;
+    double *row_e, *row_w;
+} sq_job_t;
+
+static void *sq_rows_job(void *arg) {
+    const sq_job_t *j = (const sq_job_t *)arg;
+    for (int64_t r = j->r0; r < j->r1; r++)
+        sq_row(j->d + r * j->cols, j->ref + r * j->cols, j->cols, j->row_e + r, j->row_w + r);
+    return NULL;
+}
+
+/* Runs fn over [0, rows) in `threads` contiguous ranges, each a whole number of `unit` rows (the calling thread
+   takes the first). Returns the number of ranges. */
+static int split_rows(int64_t rows, int64_t unit, int threads, void *(*fn)(void *), void *jobs, size_t job_size,
+                      void (*set)(void *job, int64_t r0, int64_t r1, int t)) {
+    pthread_t tid[64];
+    int started[64] = {0};
+    const int64_t units = (rows + unit - 1) / unit;
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    if (threads > units) threads = units > 0 ? (int)units : 1;
+    for (int t = 0; t < threads; t++) {
+        int64_t r0 = units * t / threads * unit, r1 = units * (t + 1) / threads * unit;
+        set((char *)jobs + t * job_size, r0 < rows ? r0 : rows, r1 < rows ? r1 : rows, t);
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&tid[t], NULL, fn, (char *)jobs + t * job_size) == 0;
+    for (int t = 1; t < threads; t++)
+        if (!started[t]) fn((char *)jobs + t * job_size);  /* no thread: run it here */
+    fn(jobs);
+    for (int t = 1; t < threads; t++)
+        if (started[t]) pthread_join(tid[t], NULL);
+    return threads;
+}
+
+static void set_rtn(void *job, int64_t r0, int64_t r1, int t) {
+    job_t *j = (job_t *)job;
+    j->r0 = r0;
+    j->r1 = r1;
+    j->t = t;
+}
+
+/* Returns the number of threads used (hi / bad hold that many entries), or -1 on a bad argument. */
+int qtk_rtn(const qtk_rtn_args *a, int threads) {
+    job_t jobs[64];
+    if (a->group <= 0 || a->group_rows <= 0 || a->rows < 0 || a->cols <= 0 || a->kind < 0 || a->kind > KIND_NVFP4)
+        return -1;
+    if (a->kind != KIND_BLOCK && (a->group_rows != 1 || a->cols % a->group)) return -1;
+    for (int t = 0; t < 64; t++) jobs[t].a = a;
+    return split_rows(a->rows, a->group_rows, threads, rtn_job, jobs, sizeof(job_t), set_rtn);
+}
+
+static void set_sq(void *job, int64_t r0, int64_t r1, int t) {
+    sq_job_t *j = (sq_job_t *)job;
+    (void)t;
+    j->r0 = r0;
+    j->r1 = r1;
+}
+
+int qtk_sq_rows(const float *d, const float *ref, int64_t rows, int64_t cols, double *row_e, double *row_w,
+                int threads) {
+    sq_job_t jobs[64];
+    for (int t = 0; t < 64; t++) {
+        jobs[t].d = d;
+        jobs[t].ref = ref;
+        jobs[t].cols = cols;
+        jobs[t].row_e = row_e;
+        jobs[t].row_w = row_w;
+    }
+    return split_rows(rows, 1, threads, sq_rows_job, jobs, sizeof(sq_job_t), set_sq);
+}
+
+void qtk_block_sums(const double *row, int64_t rows, int64_t step, double *out) {
+    for (int64_t b = 0, r = 0; r < rows; b++) {
+        double acc = row[r++];
+        for (int64_t k = 1; k < step && r < rows; k++) acc += row[r++];
+        out[b] = acc;
+    }
+}

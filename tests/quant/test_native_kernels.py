@@ -1,0 +1,209 @@
+"""qtk's native CPU kernels (qtk/quant/native/kernels.c) against the torch path they replace: the same codes and scales
+bit for bit (exhaustively for the fp8 and fp4 rounding of every bf16 and fp16 value in range), the relative error to
+float64 rounding, results independent of the thread count, and a fallback to torch whenever they cannot be
+trusted."""
+
+import ctypes
+
+import pytest
+import torch
+
+import qtk.quant.native as native
+from qtk.quant.native import rounding
+from qtk.quant.error import ErrorSum, block_rows, relative_error
+from qtk.quant.qtensor import QTensor
+from qtk.quant.scheme import QuantScheme
+from qtk.model.simulate import engine_weight
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="qtk's native kernels are not built here (no C compiler)")
+
+FP8 = QuantScheme(num_bits=8, type="float", strategy="channel")
+INT8 = QuantScheme(num_bits=8, type="int", strategy="channel")
+INT4_G128 = QuantScheme(num_bits=4, type="int", strategy="group", group_size=128)
+INT4_G32 = QuantScheme(num_bits=4, type="int", strategy="group", group_size=32)
+INT2_G64 = QuantScheme(num_bits=2, type="int", strategy="group", group_size=64)
+BLOCK = QuantScheme(num_bits=8, type="float", strategy="block", block_structure=(128, 128))
+BLOCK_SMALL = QuantScheme(num_bits=8, type="float", strategy="block", block_structure=(16, 96))  # ragged tiles below
+MXFP4 = QuantScheme(num_bits=4, type="float", strategy="group", group_size=32, scale_dtype="e8m0")
+NVFP4 = QuantScheme(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+
+
+def _same(values: torch.Tensor, ref: torch.Tensor) -> bool:
+    return values.dtype == ref.dtype and torch.equal(values.view(torch.uint8), ref.view(torch.uint8))
+
+
+def _codes(half: torch.dtype) -> torch.Tensor:
+    """Every finite value of `half` with |x| <= 448, as rows of 256 whose first entry is 448: each row's fp8 scale is
+    448 / 448 = 1, so every other entry is rounded to e4m3 as it is."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(half).float()
+    x = bits[torch.isfinite(bits) & (bits.abs() <= 448)]
+    x = torch.cat([x, torch.zeros((-x.numel()) % 255)])
+    rows = x.reshape(-1, 255)
+    return torch.cat([torch.full((rows.shape[0], 1), 448.0), rows], dim=1).to(half)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_fp8_rounding_of_every_half_value_is_torchs(half):
+    w = _codes(half)
+    ref = QTensor.quantize(w.float(), FP8, half)
+    assert torch.equal(ref.scale, torch.ones_like(ref.scale))  # the premise: quotient = value
+    for given in (w, w.float()):
+        values, scale, _ = rounding.native_rtn(given, FP8, half, want_error=False)
+        assert _same(values, ref.values) and torch.equal(scale, ref.scale)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_fp4_rounding_of_every_half_value_is_torchs(half):
+    """Every value with |x| <= 6.9 in groups of 32 led by 6.0: each group's MX scale is 1 (6.9 rounds down to the
+    power of two 4, whose scale is 2^(2-2)), so each value is rounded to e2m1 as it is, ties and saturation included."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(half).float()
+    x = bits[torch.isfinite(bits) & (bits.abs() <= 6.9)]
+    x = torch.cat([x, torch.zeros((-x.numel()) % 31)]).reshape(-1, 31)
+    x = torch.cat([torch.full((x.shape[0], 1), 6.0), x], dim=1)
+    w = torch.cat([x, torch.zeros((-x.shape[0]) % 8, 32)]).reshape(-1, 256).to(half)  # 8 groups a row
+    ref = QTensor.quantize(w.float(), MXFP4, half)
+    led = ref.scale[:-1]  # the padding's all-zero groups (last row) take the smallest scale
+    assert torch.equal(led, torch.ones_like(led))
+    values, scale, _ = rounding.native_rtn(w, MXFP4, half, want_error=False)
+    assert _same(values, ref.values) and torch.equal(scale, ref.scale)
+
+
+def _weights(rows=96, cols=256, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.05
+    w[1] = 0.0  # a zero scale: the dtype's eps (1.0 in float32)
+    w[2] *= 1e-39  # subnormal amax, scales and quotients
+    w[3, 5] = 40.0  # one outlier: the rest of its row rounds to few codes
+    w[4] = torch.linspace(-1.0, 1.0, cols)
+    w[5, ::2] = -0.0
+    return w
+
+
+SCHEMES = {"fp8": FP8, "int8": INT8, "int4g128": INT4_G128, "int4g32": INT4_G32, "int2g64": INT2_G64, "block": BLOCK,
+           "block16x96": BLOCK_SMALL, "mxfp4": MXFP4, "nvfp4": NVFP4}
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES.values()), ids=list(SCHEMES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("given", ["model-dtype", "float32"])
+def test_codes_scales_and_error_are_the_torch_paths(scheme, dtype, given):
+    w32 = _weights(rows=150 if scheme.strategy == "block" else 96).to(dtype).float()  # values of the model dtype
+    w = w32 if given == "float32" else w32.to(dtype)
+    ref = QTensor.quantize(w32, scheme, dtype)
+    values, scale, sums = rounding.native_rtn(w, scheme, dtype, dict(ref.extra) or None)
+    assert _same(values, ref.values) and torch.equal(scale, ref.scale) and ref.zero_point is None
+    qt = QTensor(values, scale, scheme, None, None, dtype, dict(ref.extra))
+    decoded = engine_weight(qt)
+    assert sums.amax == float(decoded.abs().max())
+    exact = float(torch.linalg.vector_norm(decoded.double() - w32.double()) / torch.linalg.vector_norm(w32.double()))
+    err = ErrorSum().add_rows(sums.row_e, sums.row_w, block_rows(w32.shape)).value()
+    assert err == pytest.approx(exact, rel=1e-12)  # float64 sums of exact squares: float64 rounding only
+    assert err == relative_error(decoded, w32)  # the loop's figure (qtk_sq_rows) is the kernel's, bit for bit
+
+
+@pytest.mark.parametrize("scheme", [INT4_G128, BLOCK_SMALL], ids=["int4g128", "block16x96"])
+def test_results_do_not_depend_on_the_thread_count(scheme):
+    w = _weights(rows=301, cols=384, seed=3).to(torch.bfloat16)
+    one = rounding.native_rtn(w, scheme, torch.bfloat16, threads=1)
+    for threads in (2, 3, 7):
+        got = rounding.native_rtn(w, scheme, torch.bfloat16, threads=threads)
+        assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+        assert torch.equal(got[2].row_e, one[2].row_e) and torch.equal(got[2].row_w, one[2].row_w)
+        assert got[2].amax == one[2].amax
+    d, r = torch.randn(301, 384), torch.randn(301, 384)
+    assert all(torch.equal(a, b) for a, b in zip(rounding.sq_rows(d, r, threads=1), rounding.sq_rows(d, r, threads=5)))
+
+
+def test_error_sums_are_float64_sums_of_the_float32_differences():
+    """Eight lanes by column, combined pairwise; a row shorter than a lane group and a ragged tail included."""
+    g = torch.Generator().manual_seed(5)
+    for cols in (3, 8, 13, 4096):
+        d, r = torch.randn(4, cols, generator=g), torch.randn(4, cols, generator=g)
+        row_e, row_w = rounding.sq_rows(d, r)
+        diff = (d - r).double()  # the difference rounded to float32 first, as the torch path forms it
+        assert torch.allclose(row_e, (diff * diff).sum(1), rtol=1e-14, atol=0)
+        assert torch.allclose(row_w, (r.double() ** 2).sum(1), rtol=1e-14, atol=0)
+    rows = torch.arange(1.0, 11.0, dtype=torch.float64)
+    assert rounding.block_sums(rows, 4) == [10.0, 26.0, 19.0]
+
+
+def test_schemes_and_tensors_it_does_not_cover_fall_back():
+    w = _weights().to(torch.bfloat16)
+    assert rounding.native_rtn(w, QuantScheme(num_bits=4, type="int", strategy="group", group_size=128, symmetric=False),
+                               torch.bfloat16) is None  # asymmetric
+    assert rounding.native_rtn(w, QuantScheme(num_bits=8, type="float", strategy="tensor"), torch.bfloat16) is None
+    assert rounding.native_rtn(w, QuantScheme(num_bits=4, type="int", strategy="group", group_size=128,
+                                              observer="mse"), torch.bfloat16) is None
+    assert rounding.native_rtn(w[:, :200], INT4_G128, torch.bfloat16) is None  # 200 columns: no whole groups
+    assert rounding.native_rtn(w.to(torch.float16), FP8, torch.bfloat16) is None  # fp16 weights of a bf16 model
+    assert rounding.native_rtn(w, NVFP4, torch.bfloat16) is None  # NVFP4 without its global scale
+    assert rounding.native_rtn(w, QuantScheme(num_bits=8, type="float", strategy="group", group_size=32,
+                                               scale_dtype="e8m0"), torch.bfloat16) is None  # MXFP8
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_weight_that_is_not_finite_is_left_to_the_torch_path(bad):
+    w = _weights()
+    w[7, 9] = bad
+    assert rounding.native_rtn(w.to(torch.bfloat16), INT8, torch.bfloat16) is None
+
+
+def test_a_scale_past_the_model_dtypes_range_is_left_to_the_torch_path():
+    w = _weights()
+    w[0, 0] = 3e7  # amax / 127.5 is past float16's 65504: the scale rounds to Inf
+    assert rounding.native_rtn(w, INT8, torch.float16) is None
+    assert torch.isinf(QTensor.quantize(w, INT8, torch.float16).scale).any()  # what the torch path then refuses
+
+
+class _Tampered:
+    """The real kernels, with one code changed after each call."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def qtk_rtn(self, args, threads):
+        used = self.lib.qtk_rtn(args, threads)
+        a = ctypes.cast(args, ctypes.POINTER(native.RTNArgs)).contents
+        ctypes.cast(a.values, ctypes.POINTER(ctypes.c_uint8))[0] ^= 1
+        return used
+
+
+def test_the_self_test_catches_a_kernel_that_disagrees_with_torch():
+    lib = native.library()
+    assert rounding.self_test(lib) is None
+    assert "differ" in rounding.self_test(_Tampered(lib))
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    monkeypatch.setenv("QTK_CACHE_DIR", str(tmp_path / "cache"))
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+def test_the_kernels_can_be_turned_off_and_a_missing_compiler_falls_back(fresh_library, monkeypatch):
+    monkeypatch.setenv("QTK_NATIVE", "0")
+    assert native.library() is None
+    native.library.cache_clear()
+    monkeypatch.setenv("QTK_NATIVE", "1")
+    monkeypatch.setenv("CC", "qtk-no-such-compiler")
+    assert native.library() is None
+    native.library.cache_clear()
+    monkeypatch.setenv("CC", "false")  # a compiler that fails: a warning and the torch path, no partial library
+    assert native.library() is None
+    assert not list((native.cache_dir()).glob("*.so"))
+
+
+def test_a_build_lands_in_the_cache_once(fresh_library, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    lib = native.library()
+    assert lib is not None
+    built = list(native.cache_dir().glob("kernels-*.so"))
+    assert len(built) == 1 and not list(native.cache_dir().glob(".kernels-*"))
+    native.library.cache_clear()
+    mtime = built[0].stat().st_mtime_ns
+    assert native.library() is not None and built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
