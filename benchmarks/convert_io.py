@@ -205,8 +205,9 @@ def build(a, path: Path, layers: int) -> Path:
 
 
 def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
-    """Results by layer count, then recipe label. Each repeat runs every model in turn (the counts interleaved, so
-    a slow spell of a shared machine falls on all of them and the per-layer slope is taken under the same load)."""
+    """Results by layer count, then recipe label. Each repeat runs every recipe on every model in turn (recipes and
+    layer counts interleaved, so a slow spell of a shared machine falls on all of them and the per-layer slope is
+    taken under the same load)."""
     calib = write_calib(td / "calib.jsonl", n=200)
     recipes = [r for x in (a.recipes or []) for r in (DATA_FREE if x == "data-free" else [x])]
     runs = [(r, ["--no-hash"]) for r in recipes] if recipes else [
@@ -218,19 +219,21 @@ def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
                 while f.read(1 << 24):
                     pass
     results: dict[int, dict] = {n: {} for n in models}
-    for recipe, extra in runs:
-        label = recipe + (" --no-hash" if "--no-hash" in extra else "")
-        seen = {n: {"conv": [], "prep": [], "floor": [], "wall": [], "rss": [], "timings": [], "load": []} for n in models}
-        for _ in range(a.repeats):
+    label_of = {i: recipe + (" --no-hash" if "--no-hash" in extra else "") for i, (recipe, extra) in enumerate(runs)}
+    seen = {(i, n): {"conv": [], "prep": [], "floor": [], "wall": [], "rss": [], "timings": [], "load": []}
+            for i in label_of for n in models}
+    for _ in range(a.repeats):  # each repeat runs every recipe on every model: a slow spell falls on all of them
+        for i, (recipe, extra) in enumerate(runs):
             for n, m in models.items():
-                x, out = seen[n], td / "o"
+                x, out = seen[(i, n)], td / "o"
                 # each timed step starts with no earlier output to delete (--overwrite would time its unlink) and no
                 # dirty pages of an earlier step still being written back (the disk's write-back throttles writers)
                 shutil.rmtree(out, ignore_errors=True)
                 drop_page_cache() if a.cold else os.sync()
                 x["load"].append(os.getloadavg()[0])  # the machine's load beside the numbers (a shared machine)
                 wall, peak = run_measured([qtk_exe(), "convert", str(m), "--recipe", recipe, "-o", str(out), "--overwrite", *extra])
-                # the conversion itself, as the manifest times it (process start-up and imports excluded)
+                # the conversion itself, as the manifest times it (process start-up and imports excluded; the
+                # written tensors' fsync included, as in the floor)
                 t = json.loads((out / "vllm" / "qtk.json").read_text())["timings"]
                 x["conv"].append(t["total"])
                 x["prep"].append(t.get("prepare", 0.0))
@@ -240,19 +243,25 @@ def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
                 x["out_mb"] = dir_bytes(out / "vllm") / 1e6
                 os.sync()
                 x["floor"].append(io_floor(m, out / "vllm", td, a.cold))
-        for n, x in seen.items():
+                print(f"  {label_of[i]} {n} layers: convert {x['conv'][-1]:.2f}s, read+write once {x['floor'][-1]:.2f}s",
+                      flush=True)
+    for i, label in label_of.items():
+        for n in models:
+            x = seen[(i, n)]
             conv, floor = median(x["conv"]), median(x["floor"])
             ratio, after = conv / floor, (conv - median(x["prep"])) / floor
+            # each conversion over the floor taken right after it (the same spell of the machine's load)
+            paired = median([c / f for c, f in zip(x["conv"], x["floor"])])
             results[n][label] = {
                 "convert_s": conv, "prepare_s": median(x["prep"]), "process_wall_s": median(x["wall"]),
-                "io_floor_s": floor, "ratio": ratio, "ratio_after_prepare": after,
+                "io_floor_s": floor, "ratio": ratio, "ratio_after_prepare": after, "ratio_paired": paired,
                 "peak_rss_mb": median(x["rss"]) / 1e6, "output_mb": x["out_mb"],
                 "load_avg_1min": max(x["load"] + [os.getloadavg()[0]]), "cpus": os.cpu_count(),
                 "runs": [{"convert_s": c, "io_floor_s": f, "prepare_s": p} for c, f, p in zip(x["conv"], x["floor"], x["prep"])],
                 "timings": {k: median([t.get(k, 0.0) for t in x["timings"]]) for k in x["timings"][0]}}
             print(f"{n} layers {label:24s} convert {conv:6.2f}s (of it prepare {median(x['prep']):.2f}s; process "
                   f"{median(x['wall']):.2f}s incl. imports), read+write once {floor:6.2f}s, ratio {ratio:5.2f} "
-                  f"({after:5.2f} after prepare), peak RSS {median(x['rss']) / 1e6:.0f} MB, "
+                  f"({after:5.2f} after prepare; paired {paired:5.2f}), peak RSS {median(x['rss']) / 1e6:.0f} MB, "
                   f"load {results[n][label]['load_avg_1min']:.1f}", flush=True)
     return results
 
