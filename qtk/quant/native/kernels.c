@@ -5,7 +5,7 @@
  * tile of rows x columns, in one pass over each row while it sits in cache: the row's float32 values, each group's
  * amax and scale, the codes, the engine's decode of the codes, and the relative error's squared sums. The torch
  * path (qtk.quant.formats.*) makes ~10 passes over 2 MiB blocks for the same result. The arithmetic is the torch
- * path's IEEE float32 operations in the same order, so codes and scales are equal bit for bit (tests/native checks
+ * path's IEEE float32 operations in the same order, so codes and scales are equal bit for bit (test_native_kernels.py checks
  * every fp8 and fp4 rounding case and random weights of every kind, dtype and shape):
  *
  *   kind    scale of a group (amax = max |w|, float32)                          element q of w            decode
@@ -197,20 +197,21 @@ INLINE float group_scale(uint32_t mb, const qtk_rtn_args *a, const int half, con
     return s > 0.0f ? s : a->zero_scale;
 }
 
-/* Codes and decode (df) of n values x of one group under its stored scale s; returns the largest decoded
-   magnitude. */
-INLINE float group_round(const float *x, int64_t n, float s, const qtk_rtn_args *a, void *qv, float *df,
-                         const int half, const int kind) {
+/* Codes and decode (df) of the n values x of a row, each under its group's divisor sv[j] (the stored scale; NVFP4:
+   s / gs); returns the largest decoded magnitude. One loop over the whole row (groups of 16 or 32 are shorter than
+   a vector loop's stride). */
+INLINE float row_round(const float *x, int64_t n, const float *sv, const qtk_rtn_args *a, void *qv, float *df,
+                       const int half, const int kind) {
     uint32_t dmax = 0;
     if (kind == KIND_INT) {
         int8_t *q = (int8_t *)qv;
         const float qmin = a->qmin, qmax = a->qmax;
         for (int64_t j = 0; j < n; j++) {
-            float v = round_even_small(round_to(x[j] / s, half));  /* |x / s| <= ~130 */
+            float v = round_even_small(round_to(x[j] / sv[j], half));  /* |x / s| <= ~130 */
             v = v < qmin ? qmin : v;
             v = v > qmax ? qmax : v;
             q[j] = (int8_t)v;
-            float d = round_to(v * s, half);
+            float d = round_to(v * sv[j], half);
             df[j] = d;
             uint32_t db = bits_of_f32(d) & 0x7fffffffu;  /* |d| as bits: an integer max reduction vectorises */
             dmax = db > dmax ? db : dmax;
@@ -219,28 +220,27 @@ INLINE float group_round(const float *x, int64_t n, float s, const qtk_rtn_args 
         uint8_t *q = (uint8_t *)qv;
         for (int64_t j = 0; j < n; j++) {
             float xi = kind == KIND_BLOCK ? round_to(x[j], half) : x[j];  /* BLOCK divides the model-dtype weight */
-            float v = round_to(xi / s, half);
+            float v = round_to(xi / sv[j], half);
             v = v < -448.0f ? -448.0f : v;
             v = v > 448.0f ? 448.0f : v;
             uint8_t c = e4m3_code(v);
             q[j] = c;
-            float d = kind == KIND_BLOCK ? round_to(e4m3_value(c) * s, half) : e4m3_value(c) * s;
+            float d = kind == KIND_BLOCK ? round_to(e4m3_value(c) * sv[j], half) : e4m3_value(c) * sv[j];
             df[j] = d;
-            uint32_t db = bits_of_f32(d) & 0x7fffffffu;  /* |d| as bits: an integer max reduction vectorises */
+            uint32_t db = bits_of_f32(d) & 0x7fffffffu;
             dmax = db > dmax ? db : dmax;
         }
     } else {
         uint8_t *q = (uint8_t *)qv;
-        const float eff = kind == KIND_NVFP4 ? s / a->global_scale : s;  /* s / gs formed first, in float32 */
         for (int64_t j = 0; j < n; j++) {
-            float v = x[j] / eff;
+            float v = x[j] / sv[j];
             v = v < -6.0f ? -6.0f : v;
             v = v > 6.0f ? 6.0f : v;
             uint8_t c = e2m1_code(v);
             q[j] = c;
-            float d = round_to(e2m1_value(c) * eff, half);
+            float d = round_to(e2m1_value(c) * sv[j], half);
             df[j] = d;
-            uint32_t db = bits_of_f32(d) & 0x7fffffffu;  /* |d| as bits: an integer max reduction vectorises */
+            uint32_t db = bits_of_f32(d) & 0x7fffffffu;
             dmax = db > dmax ? db : dmax;
         }
     }
@@ -254,10 +254,10 @@ typedef struct {
 } job_t;
 
 /* Rows [r0, r1) of one tile row (group_rows rows; 1 for row-wise kinds): scales first, over the whole tile, then
-   each row's codes, decode and error sums. Returns the largest decoded magnitude, or -1 when a value or scale is not
-   finite. */
+   each row's codes, decode and error sums. sv: a row of per-element divisors. Returns the largest decoded
+   magnitude, or -1 when a value or scale is not finite. */
 INLINE float tile_rows(const qtk_rtn_args *a, int64_t r0, int64_t r1, float *wf, float *df, uint32_t *tmax,
-                       float *ts, const int half, const int kind) {
+                       float *sv, const int half, const int kind) {
     const int64_t cols = a->cols, G = a->group, ng = (cols + G - 1) / G;
     float dmax = 0.0f;
     if (r1 - r0 > 1) {  /* a tile row: every row's amax first (the rows are read twice, from cache) */
@@ -272,37 +272,37 @@ INLINE float tile_rows(const qtk_rtn_args *a, int64_t r0, int64_t r1, float *wf,
     }
     for (int64_t r = r0; r < r1; r++) {
         load_row(a->w, a->in_dtype, r * cols, cols, wf);
-        for (int64_t g = 0; g < ng; g++) {
-            const int64_t n = (g + 1) * G <= cols ? G : cols - g * G;
-            if (r == r0) {
+        if (r == r0) {
+            for (int64_t g = 0; g < ng; g++) {
+                const int64_t n = (g + 1) * G <= cols ? G : cols - g * G;
                 uint32_t mb = r1 - r0 > 1 ? tmax[g] : amax_bits(wf + g * G, n);
                 float s = group_scale(mb, a, half, kind);
                 if (mb >= 0x7f800000u || !isfinite(s)) return -1.0f;
-                ts[g] = s;
                 a->scale[(r0 / a->group_rows) * ng + g] = s;
+                const float d = kind == KIND_NVFP4 ? s / a->global_scale : s;  /* s / gs formed first, in float32 */
+                for (int64_t k = 0; k < n; k++) sv[g * G + k] = d;
             }
-            float gm = group_round(wf + g * G, n, ts[g], a, (uint8_t *)a->values + r * cols + g * G, df + g * G, half,
-                                   kind);
-            dmax = gm > dmax ? gm : dmax;
         }
+        float m = row_round(wf, cols, sv, a, (uint8_t *)a->values + r * cols, df, half, kind);
+        dmax = m > dmax ? m : dmax;
         if (a->want_error) sq_row(df, wf, cols, a->row_e + r, a->row_w + r);
     }
     return dmax;
 }
 
 #define TILE_CASE(H, K) \
-    if (a->half == H && a->kind == K) m = tile_rows(a, r, r1, wf, df, tmax, ts, H, K)
+    if (a->half == H && a->kind == K) m = tile_rows(a, r, r1, wf, df, tmax, sv, H, K)
 
 static void *rtn_job(void *arg) {
     const job_t *job = (const job_t *)arg;
     const qtk_rtn_args *a = job->a;
     const int64_t cols = a->cols, ng = (cols + a->group - 1) / a->group;
     float *wf = (float *)malloc((size_t)cols * 4), *df = (float *)malloc((size_t)cols * 4);
-    float *ts = (float *)malloc((size_t)ng * 4);
+    float *sv = (float *)malloc((size_t)cols * 4);
     uint32_t *tmax = (uint32_t *)malloc((size_t)ng * 4);
     float hi = 0.0f;
     int bad = 0;
-    if (!wf || !df || !ts || !tmax) {
+    if (!wf || !df || !sv || !tmax) {
         bad = 2;
     }
     for (int64_t r = job->r0; r < job->r1 && !bad; r += a->group_rows) {
@@ -321,7 +321,7 @@ static void *rtn_job(void *arg) {
     }
     free(wf);
     free(df);
-    free(ts);
+    free(sv);
     free(tmax);
     a->hi[job->t] = hi;
     a->bad[job->t] = bad;
