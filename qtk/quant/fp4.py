@@ -105,4 +105,9 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_fp4: uint8 [..., n/2] -> codes uint8 [..., n]."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"unpack_fp4: packed FP4 is stored as uint8, got {packed.dtype}")
+    from qtk.quant.native.packing import unpack_nibbles
+
+    fast = unpack_nibbles(packed, packed.shape[-1] * 2) if packed.dim() else None  # one native pass on the CPU
+    if fast is not None:
+        return fast
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)

@@ -94,6 +94,12 @@ def unpack_ct(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor
     b = packed.contiguous().view(torch.uint8).reshape(rows, -1)
     if per == 1:
         return (b[:, :in_features] ^ 0x80).view(torch.int8).contiguous()
+    if bits == 4:
+        from qtk.quant.native.packing import unpack_nibbles
+
+        fast = unpack_nibbles(b, in_features, sub=offset(bits), dtype=torch.int8)  # one native pass on the CPU
+        if fast is not None:
+            return fast
     out = torch.empty(rows, b.shape[1], per, dtype=torch.uint8)  # slot i of each byte, written in place
     mask = (1 << bits) - 1
     for i in range(per):

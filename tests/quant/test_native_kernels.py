@@ -207,3 +207,25 @@ def test_a_build_lands_in_the_cache_once(fresh_library, monkeypatch):
     native.library.cache_clear()
     mtime = built[0].stat().st_mtime_ns
     assert native.library() is not None and built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+def test_nibble_unpacking_is_the_torch_paths():
+    """FP4 codes and compressed-tensors int4 words, unpacked natively, equal the torch path's unpacking (and pack's
+    inverse), odd widths and padding words included."""
+    from qtk.quant.fp4 import pack_fp4
+    from qtk.quant.native.packing import unpack_nibbles
+    from qtk.quant.pack import pack_ct, unpack_ct, unpack_words
+
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 16, (3, 5, 64), generator=g, dtype=torch.uint8)
+    packed = pack_fp4(codes)
+    assert torch.equal(unpack_nibbles(packed, 64), codes)  # leading dims kept
+    torch_way = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(3, 5, 64)
+    assert torch.equal(unpack_nibbles(packed, 64), torch_way)
+    for cols in (7, 8, 33, 4096):
+        q = torch.randint(-8, 8, (11, cols), generator=g, dtype=torch.int8)
+        words = pack_ct(q, 4)  # rows padded to whole int32 words
+        got = unpack_ct(words, 4, cols)
+        assert got.dtype == torch.int8 and torch.equal(got, q)
+        assert torch.equal(got, (unpack_words(words, 4, cols) - 8).to(torch.int8))
+    assert unpack_nibbles(packed.to(torch.int16), 64) is None and unpack_nibbles(packed, 129) is None

@@ -93,6 +93,9 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.qtk_sq_rows.restype = ctypes.c_int
     lib.qtk_block_sums.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.qtk_block_sums.restype = None
+    lib.qtk_unpack_nibbles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_int, ctypes.c_int]
+    lib.qtk_unpack_nibbles.restype = ctypes.c_int
     return lib
 
 

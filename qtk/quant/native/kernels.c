@@ -409,3 +409,43 @@ void qtk_block_sums(const double *row, int64_t rows, int64_t step, double *out) 
         out[b] = acc;
     }
 }
+
+/* Two 4-bit codes per byte, low nibble first (compressed-tensors' int4 words on a little-endian host, and FP4's
+ * packing): rows of `in_bytes` bytes -> rows of `out_cols` codes, each minus `sub` (uint8 arithmetic, wrapping: 8
+ * gives int4's signed values viewed as int8). */
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    int64_t in_bytes, out_cols, r0, r1;
+    uint8_t sub;
+} nib_job_t;
+
+static void *nibbles_job(void *arg) {
+    const nib_job_t *j = (const nib_job_t *)arg;
+    const int64_t whole = j->out_cols / 2;
+    for (int64_t r = j->r0; r < j->r1; r++) {
+        const uint8_t *s = j->src + r * j->in_bytes;
+        uint8_t *d = j->dst + r * j->out_cols;
+        for (int64_t i = 0; i < whole; i++) {
+            d[2 * i] = (uint8_t)((s[i] & 15u) - j->sub);
+            d[2 * i + 1] = (uint8_t)((s[i] >> 4) - j->sub);
+        }
+        if (j->out_cols & 1) d[j->out_cols - 1] = (uint8_t)((s[whole] & 15u) - j->sub);
+    }
+    return NULL;
+}
+
+static void set_nib(void *job, int64_t r0, int64_t r1, int t) {
+    nib_job_t *j = (nib_job_t *)job;
+    (void)t;
+    j->r0 = r0;
+    j->r1 = r1;
+}
+
+int qtk_unpack_nibbles(const uint8_t *src, int64_t rows, int64_t in_bytes, int64_t out_cols, uint8_t *dst, int sub,
+                       int threads) {
+    nib_job_t jobs[64], proto = {src, dst, in_bytes, out_cols, 0, 0, (uint8_t)sub};
+    if (in_bytes * 2 < out_cols || rows < 0) return -1;
+    for (int t = 0; t < 64; t++) jobs[t] = proto;
+    return split_rows(rows, 1, threads, nibbles_job, jobs, sizeof(nib_job_t), set_nib);
+}

@@ -1,0 +1,29 @@
+"""Python side of kernels.c's nibble unpacking: two 4-bit codes per byte, low nibble first (FP4's packing, and
+compressed-tensors' int4 words on a little-endian host), in one pass at memory speed. The convert self-check decodes
+every written 4-bit Linear through it. None where the kernels do not apply (the caller's torch path)."""
+
+from __future__ import annotations
+
+import torch
+
+from qtk.quant.native import library
+
+
+def unpack_nibbles(packed: torch.Tensor, out_cols: int, sub: int = 0, dtype: torch.dtype = torch.uint8):
+    """packed uint8 [rows, in_bytes] (any leading dims) -> [rows, out_cols] codes minus `sub` (uint8, wrapping),
+    viewed as `dtype` (uint8 or int8); None on an accelerator, without the kernels, or for a tensor that is not
+    uint8 or too short for out_cols."""
+    lib = library()
+    if (lib is None or packed.device.type != "cpu" or packed.dtype != torch.uint8 or packed.dim() < 1
+            or packed.shape[-1] * 2 < out_cols):
+        return None
+    src = packed.contiguous()
+    lead = tuple(src.shape[:-1])
+    rows = src.numel() // max(src.shape[-1], 1) if src.shape[-1] else 0
+    out = torch.empty((*lead, out_cols), dtype=torch.uint8)
+    if rows and out_cols:
+        used = lib.qtk_unpack_nibbles(src.data_ptr(), rows, src.shape[-1], out_cols, out.data_ptr(), sub,
+                                      max(1, min(torch.get_num_threads(), 64)))
+        if used < 1:
+            return None
+    return out if dtype == torch.uint8 else out.view(dtype)
