@@ -15,8 +15,12 @@ qtk/plan/convert_cost.py's CPU_STREAM_PARAMS_PER_S takes from this file).
 
 The I/O floor is measured on the same files: every byte of the source's shards read into memory once (file reads
 through one reused buffer: safetensors' load_file maps a file and reads nothing until a tensor is touched, which is
-how floors before 2026-12 were taken, too low by the whole read), then the converted checkpoint's bytes written once
-into one file and fsync'd (write() calls and fsync timed). Page cache is
+how floors before 2026-12 were taken, too low by the whole read), then as many bytes as the converted checkpoint's
+tensors written once into one file and fsync'd (write() calls and fsync timed), after the conversion's output is
+deleted: on a thin-provisioned disk, writing into blocks a deleted file just freed is several times faster than
+into fresh ones, and the conversion writes after the previous run's files are deleted (floors before this took
+the fresh blocks, 2x slower than the conversion's writes, and showed ratios near 0.5). The conversion's total
+includes its fsync of the written tensors. Page cache is
 warm for both (the source is read once before timing), and each starts after os.sync() with no earlier output left
 to delete, so neither pays for the other's write-back; with --cold the page cache is dropped before each instead,
 so both read the source from the disk (the conversion reads layer i+1 while layer i rounds). `convert_s` is the manifest's total (process
@@ -71,33 +75,41 @@ def read_once(files) -> int:
     return sum(len(c) for c in chunks(files))
 
 
-def write_once(files, dst: Path) -> float:
-    """Seconds to write the bytes of `files` into one new file `dst` and fsync it: only the write() calls and the
-    fsync are timed; each chunk is read from `files` (page cache) untimed. No copy of the output is made first (a
-    3 GB copy of fresh memory beside the page cache made the floor's write vary 2.6-13 s on a VM that hands freed
-    memory back to its host)."""
-    spent = 0.0
+def write_once(files, nbytes: int, dst: Path) -> float:
+    """Seconds to write `nbytes` bytes into one new file `dst` and fsync it: only the write() calls and the fsync are
+    timed; the bytes are the source shards' (page cache; read untimed, from the start again if the output is the
+    larger). No copy of the output is made first. What is written does not matter to the disk; where it lands does:
+    on the thin-provisioned VM disk this was measured on, 3.4 GB fsync'd took 1.4-1.7 s into blocks a deleted file
+    had just freed and 8-12 s into fresh ones. So the floor writes after the conversion's output is deleted, as the
+    conversion writes after the previous run's output and floor file are: both into freed blocks."""
+    spent, left = 0.0, nbytes
     with open(dst, "wb", buffering=0) as out:
-        for c in chunks(files):
-            t0 = time.perf_counter()
-            out.write(c)
-            spent += time.perf_counter() - t0
+        while left:
+            for c in chunks(files):
+                c = c[:left]
+                t0 = time.perf_counter()
+                out.write(c)
+                spent += time.perf_counter() - t0
+                left -= len(c)
+                if not left:
+                    break
         t0 = time.perf_counter()
         os.fsync(out.fileno())
         spent += time.perf_counter() - t0
     return spent
 
 
-def io_floor(src: Path, out: Path, tmp: Path, cold: bool = False) -> float:
-    """Seconds to read the source's shards once and to write the converted checkpoint's bytes once (one file,
-    fsync'd)."""
+def io_floor(src: Path, nbytes: int, tmp: Path, cold: bool = False) -> float:
+    """Seconds to read the source's shards once and to write the converted checkpoint's tensor bytes (`nbytes`: its
+    *.safetensors files) once (one file, fsync'd)."""
     if cold:
         drop_page_cache()
+    shards = sorted(src.glob("*.safetensors"))
     t0 = time.perf_counter()
-    read_once(sorted(src.glob("*.safetensors")))
+    read_once(shards)
     t_read = time.perf_counter() - t0
     dst = tmp / "floor.bin"
-    t_write = write_once(sorted(out.glob("*.safetensors")), dst)
+    t_write = write_once(shards, nbytes, dst)
     dst.unlink()
     return t_read + t_write
 
@@ -241,8 +253,10 @@ def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
                 x["wall"].append(wall)
                 x["rss"].append(peak)
                 x["out_mb"] = dir_bytes(out / "vllm") / 1e6
+                tensor_bytes = sum(p.stat().st_size for p in (out / "vllm").glob("*.safetensors"))
+                shutil.rmtree(out)  # the floor writes into freed blocks, as the conversion did (write_once)
                 os.sync()
-                x["floor"].append(io_floor(m, out / "vllm", td, a.cold))
+                x["floor"].append(io_floor(m, tensor_bytes, td, a.cold))
                 print(f"  {label_of[i]} {n} layers: convert {x['conv'][-1]:.2f}s, read+write once {x['floor'][-1]:.2f}s",
                       flush=True)
     for i, label in label_of.items():

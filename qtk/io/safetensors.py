@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 import threading
@@ -276,6 +277,17 @@ def reusing_read_buffers(max_idle: int):
     finally:
         _read_buffers.close()
         _read_buffers = outer
+
+
+def recycled_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor, from the recycled buffers when reusing_read_buffers is active (a layer's outputs
+    are the same sizes as the last layer's: the data-free stream's codes reuse the buffers the written layer left,
+    without a page fault per 4 KiB), else torch.empty."""
+    pool = _read_buffers
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if pool is None or n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return pool.take(n).view(dtype).reshape(shape)
 
 
 class SafetensorsFile:

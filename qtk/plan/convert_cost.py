@@ -10,13 +10,16 @@ over the processes; plus the Hessians' all-reduce between processes. The constan
   bf16 GEMM 705 GFLOP/s, fp32 GPTQ 48 GFLOP/s, read 1.6 GB/s, write 0.42 GB/s with fsync, 2 torch threads; an
   earlier machine without AVX512-BF16 measured 3.1 GFLOP/s, 0.45, 292 MB/s and 175 MB/s). A different CPU:
   rerun it and scale.
-- CPU_STREAM_PARAMS_PER_S: a data-free recipe's stream (qtk.pipeline.stream: rounding, decoding for the error,
-  packing, the copies to and from the page cache, the self-check reading every written Linear back) per parameter
-  of the decoder layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus
-  the 2-layer run over 4 layers of 218.1M parameters (medians of 5, 2 cores, page cache warm;
-  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`). CPU_PROCESS_BYTES: the host memory of
-  that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the 64 MiB copy
-  buffers, the rounding's temporaries), the largest any recipe's 6-layer run left over in that file's peak RSS.
+- CPU_STREAM_PARAMS_PER_S: a data-free recipe's stream (qtk.pipeline.stream: rounding by qtk's native kernels,
+  qtk.quant.native, with the decode and error in the same pass; packing, the copies to and from the page cache, the
+  self-check reading every written Linear back, the write-back to the disk it overlaps) per parameter of the decoder
+  layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus the 2-layer run
+  over 4 layers of 218.1M parameters (medians of 5, 2 cores, page cache warm;
+  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`). Without the native kernels (no C
+  compiler) the rounding runs 3-4x slower than these figures assume. CPU_PROCESS_BYTES, by weight format: the host
+  memory of that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the
+  64 MiB copy buffers, recycled read buffers, the packing's and the self-check's temporaries), what that format's
+  6-layer run left over in that file's peak RSS, rounded up to 10 MB.
 - GPU_*: NOT measured (no GPU was available): fractions of the GPU's dense bf16 peak (qtk.plan.hardware) assumed
   for calibration forwards (35 %) and GPTQ's fp32 solves (3 %: fp32 without TF32, small triangular solves);
   benchmarks/convert_gpu.py measures what they should be replaced with.
@@ -33,7 +36,7 @@ CPU_SOLVE_FLOPS = 48e9
 CPU_READ_BPS = 1.6e9
 CPU_WRITE_BPS = 0.42e9
 CPU_STREAM_PARAMS_PER_S = {"fp8": 175e6, "int8": 123e6, "int4": 131e6, "nvfp4": 84e6, "mx": 85e6, "fp8-block": 122e6}
-CPU_PROCESS_BYTES = 335e6
+CPU_PROCESS_BYTES = {"fp8": 335e6, "int8": 335e6, "int4": 335e6, "nvfp4": 335e6, "mx": 335e6, "fp8-block": 335e6}
 GPU_HOST_LINK_BPS = 20e9  # host <-> GPU copies of the data-free stream (assumed: PCIe Gen4/5 x16, pageable memory)
 GPU_GEMM_EFFICIENCY = 0.35
 GPU_SOLVE_EFFICIENCY = 0.03
@@ -81,11 +84,13 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
     notes = []
     forward = solve = reduce_bytes = stream = 0.0
     data_free = recipe is not None and not recipe.needs_calibration
+    formats = set()
     if data_free:
         # data-free: each quantized Linear streams once (the rest is copied, part of the disk time)
         for x in lin:
             sch = scheme_of(recipe, x.name)
             if sch is not None:
+                formats.add(stream_format(sch.weights))
                 n = x.numel
                 stream += (n * 3 / GPU_HOST_LINK_BPS if gpu is not None  # 2 bytes there, about 1 back
                            else n / CPU_STREAM_PARAMS_PER_S[stream_format(sch.weights)])
@@ -131,7 +136,7 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
         src_layer = layer // 4 * DTYPE_BYTES[s.dtype]
         outer = sum(x.numel for x in specs if x.layer is None) * DTYPE_BYTES[s.dtype]  # copied as they are
         out_layer = max(output_bytes - outer, 0) // layers
-        host = CPU_PROCESS_BYTES + 2 * src_layer + out_layer
+        host = max(CPU_PROCESS_BYTES[f] for f in formats or {"fp8"}) + 2 * src_layer + out_layer
         device_peak = 0 if gpu is None else 2 * src_layer
         notes.append("no calibration: the layers stream through one process" + (" (rank 0; the others wait)" if p > 1 else ""))
         return ConversionEstimate(name, p, int(host), int(device_peak), seconds, parts, tuple(notes))

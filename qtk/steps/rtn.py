@@ -96,7 +96,8 @@ def quantize_rows(w: torch.Tensor, scheme: QuantScheme, dtype, rows: int,
 
 
 def _round(w: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.Tensor] | None = None,
-           on_block: Callable[..., None] | None = None, on_native: Callable[..., None] | None = None) -> QTensor:
+           on_block: Callable[..., None] | None = None, on_native: Callable[..., None] | None = None,
+           threads: int | None = None) -> QTensor:
     """w's QTensor (w in any float dtype, rounded from its float32 values; under a fusion group's tensor-wide part
     `extra`, if given). On the CPU, the schemes qtk's native kernel covers (per-channel / per-group symmetric int
     and fp8, fp8 blocks, MXFP4, NVFP4: qtk.quant.native.rounding) are rounded there, the same codes and scales in one
@@ -106,7 +107,7 @@ def _round(w: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.T
     fmt = format_for(scheme)
     if extra is None and fmt.tensor_wide(scheme):
         extra = fmt.shared_extra([w], scheme, dtype)
-    got = rounding.native_rtn(w, scheme, dtype, extra, want_error=on_native is not None)
+    got = rounding.native_rtn(w, scheme, dtype, extra, want_error=on_native is not None, threads=threads)
     if got is not None:
         values, scale, sums = got
         qt = QTensor(values, scale, scheme, None, None, dtype, dict(extra or {}))
@@ -129,14 +130,15 @@ def _round(w: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.T
 
 
 def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme], arch, dtype,
-                measure: Measure | None = None, consume: bool = False) -> dict[str, QTensor]:
+                measure: Measure | None = None, consume: bool = False, threads: int | None = None) -> dict[str, QTensor]:
     """QTensors of `weights` (relative name -> [out, in]) with their weight schemes (relative name -> scheme; the
     members of a fusion group share theirs); a per-tensor scale is taken over the whole fusion group. Each weight
     is rounded from float32 values made where they are used (a row block at a time where row_block allows, else one
     whole copy at a time), so a caller may pass model-dtype weights (the data-free stream). measure (Measure), when
     given, sees each weight's float32 rows and their QTensor while they are alive, then the whole QTensor.
     consume: each weight is removed from `weights` once its QTensor is made, so a caller that holds it nowhere else
-    frees it then (the stream: a layer's source weights go one by one, not at the end of the layer)."""
+    frees it then (the stream: a layer's source weights go one by one, not at the end of the layer). threads: the
+    native kernel's (default torch's thread count)."""
     out: dict[str, QTensor] = {}
 
     def shown(m: str):
@@ -173,10 +175,11 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
             # min/max passes over the weights as given (model dtype in the stream): no float32 copy of any member yet
             extra = fmt.shared_extra([weights[m] for m in members], scheme, dtype)
             for m in members if extra is not None else ():
-                done(m, _round(weights[m], scheme, dtype, extra, shown(m), native(m)))
+                done(m, _round(weights[m], scheme, dtype, extra, shown(m), native(m), threads))
     for name in list(weights):  # names only: no reference to a weight beyond its own turn
         if name not in out:
-            done(name, _round(weights[name], schemes[name], dtype, on_block=shown(name), on_native=native(name)))
+            done(name, _round(weights[name], schemes[name], dtype, on_block=shown(name), on_native=native(name),
+                              threads=threads))
     return out
 
 

@@ -45,8 +45,8 @@ def test_a_data_free_conversion_is_the_slower_of_its_disk_and_its_stream():
 
 def test_the_streams_constants_are_the_benchmarks():
     """CPU_STREAM_PARAMS_PER_S and CPU_PROCESS_BYTES are what benchmarks/convert_io.py recorded (its per-layer slope,
-    its peak RSS), and the estimate's host memory bounds every measured data-free run on those shapes from above
-    by at most 30 %."""
+    its peak RSS per weight format), and the estimate's host memory bounds every measured data-free run on those
+    shapes from above, by at most the 10 MB the constants are rounded up to."""
     data = json.loads(RESULTS.read_text())
     for label, per in data["per_layer"].items():
         fmt = FORMAT_OF[label.split()[0]]
@@ -58,7 +58,7 @@ def test_the_streams_constants_are_the_benchmarks():
         recipe = load_recipe(label.split()[0])
         est = estimate_conversion(s, recipe, conversion_memory(s, recipe), src, int(r["output_mb"] * 1e6))
         measured = r["peak_rss_mb"] * 1e6
-        assert measured <= est.host_peak <= 1.3 * measured, (label, measured, est.host_peak)
+        assert measured <= est.host_peak <= measured + 10e6, (label, measured, est.host_peak)
 
 
 def test_gptq_on_gpus_and_processes():

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qtk.io.safetensors import recycled_empty
 from qtk.quant.native import RTNArgs, library
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -99,7 +100,7 @@ def native_rtn(w: torch.Tensor, scheme, model_dtype: torch.dtype, extra: dict | 
     w = w.contiguous()
     rows, cols = w.shape
     threads = max(1, min(threads or torch.get_num_threads(), 64))
-    values = torch.empty((rows, cols), dtype=plan.values_dtype)
+    values = recycled_empty((rows, cols), plan.values_dtype)  # the last layer's codes' buffer, in the stream
     scale = torch.empty(plan.scale_shape, dtype=torch.float32)
     row_e = torch.empty(rows, dtype=torch.float64) if want_error else None
     row_w = torch.empty(rows, dtype=torch.float64) if want_error else None
