@@ -19,8 +19,12 @@ how floors before 2026-12 were taken, too low by the whole read), then as many b
 tensors written once into one file and fsync'd (write() calls and fsync timed), after the conversion's output is
 deleted: on a thin-provisioned disk, writing into blocks a deleted file just freed is several times faster than
 into fresh ones, and the conversion writes after the previous run's files are deleted (floors before this took
-the fresh blocks, 2x slower than the conversion's writes, and showed ratios near 0.5). The conversion's total
-includes its fsync of the written tensors. Page cache is
+the fresh blocks, 2x slower than the conversion's writes, and showed ratios near 0.5). Each timed step also
+starts --settle seconds after that deletion: the VM this was measured on hands freed memory back to its host
+within about 2 s (free page reporting), after which new page-cache pages cost about 0.3 GB/s to touch, where
+memory freed a moment ago costs 2-3 GB/s; the conversion, started as a new process (imports first), always
+meets the settled state, so the floor is taken in it too (3.1-4.8 s without settling, 5.6-6.7 s with, for the
+6-layer fp8-dynamic output). The conversion's total includes its fsync of the written tensors. Page cache is
 warm for both (the source is read once before timing), and each starts after os.sync() with no earlier output left
 to delete, so neither pays for the other's write-back; with --cold the page cache is dropped before each instead,
 so both read the source from the disk (the conversion reads layer i+1 while layer i rounds). `convert_s` is the manifest's total (process
@@ -167,6 +171,9 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="a named model's shapes (hidden, intermediate, heads, vocab) instead of --hidden/--intermediate")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--settle", type=float, default=3.0,
+                    help="seconds to wait after deleting the last output before each timed step (default 3: see the "
+                         "docstring; 0 on a machine whose freed memory stays with it)")
     ap.add_argument("--cold", action="store_true",
                     help="drop the page cache before every timed step (root): the source is read from the disk, as "
                          "a model not read since it was downloaded is (default: warm, the CPU's cost alone)")
@@ -242,6 +249,7 @@ def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
                 # dirty pages of an earlier step still being written back (the disk's write-back throttles writers)
                 shutil.rmtree(out, ignore_errors=True)
                 drop_page_cache() if a.cold else os.sync()
+                time.sleep(a.settle)  # freed memory handed back to the host first, as before the floor (docstring)
                 x["load"].append(os.getloadavg()[0])  # the machine's load beside the numbers (a shared machine)
                 wall, peak = run_measured([qtk_exe(), "convert", str(m), "--recipe", recipe, "-o", str(out), "--overwrite", *extra])
                 # the conversion itself, as the manifest times it (process start-up and imports excluded; the
@@ -256,6 +264,7 @@ def measure(a, models: dict[int, Path], td: Path) -> dict[int, dict]:
                 tensor_bytes = sum(p.stat().st_size for p in (out / "vllm").glob("*.safetensors"))
                 shutil.rmtree(out)  # the floor writes into freed blocks, as the conversion did (write_once)
                 os.sync()
+                time.sleep(a.settle)
                 x["floor"].append(io_floor(m, tensor_bytes, td, a.cold))
                 print(f"  {label_of[i]} {n} layers: convert {x['conv'][-1]:.2f}s, read+write once {x['floor'][-1]:.2f}s",
                       flush=True)
