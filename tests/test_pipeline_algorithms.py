@@ -83,8 +83,8 @@ def test_post_conversion_checks_refuse_a_broken_quantizer(tiny_llama, tmp_path, 
 
     real = rtn.rtn_weights
 
-    def broken(weights, schemes, arch, dtype, measure=None, consume=False):  # the stream measured the good QTensor;
-        out = real(weights, schemes, arch, dtype, measure, consume)               # the bytes on disk differ
+    def broken(weights, schemes, arch, dtype, measure=None, consume=False, threads=None):  # the stream measured the
+        out = real(weights, schemes, arch, dtype, measure, consume, threads)  # good QTensor; the bytes on disk differ
         qt = out["mlp.down_proj"]
         out["mlp.down_proj"] = QTensor(torch.zeros_like(qt.values), qt.scale, qt.scheme, qt.zero_point, None, qt.dtype)
         return out

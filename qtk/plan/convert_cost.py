@@ -14,7 +14,7 @@ over the processes; plus the Hessians' all-reduce between processes. The constan
   qtk.quant.native, with the decode and error in the same pass; packing, the copies to and from the page cache, the
   self-check reading every written Linear back, the write-back to the disk it overlaps) per parameter of the decoder
   layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus the 2-layer run
-  over 4 layers of 218.1M parameters (medians of 5, 2 cores, page cache warm;
+  over 4 layers of 218.1M parameters (medians of 3, 2 cores, page cache warm, freed memory settled;
   benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`). Without the native kernels (no C
   compiler) the rounding runs 3-4x slower than these figures assume. CPU_PROCESS_BYTES, by weight format: the host
   memory of that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the
@@ -35,8 +35,9 @@ CPU_GEMM_FLOPS = 705e9
 CPU_SOLVE_FLOPS = 48e9
 CPU_READ_BPS = 1.6e9
 CPU_WRITE_BPS = 0.42e9
-CPU_STREAM_PARAMS_PER_S = {"fp8": 175e6, "int8": 123e6, "int4": 131e6, "nvfp4": 84e6, "mx": 85e6, "fp8-block": 122e6}
-CPU_PROCESS_BYTES = {"fp8": 335e6, "int8": 335e6, "int4": 335e6, "nvfp4": 335e6, "mx": 335e6, "fp8-block": 335e6}
+CPU_STREAM_PARAMS_PER_S = {"fp8": 172.5e6, "int8": 188.3e6, "int4": 154.0e6, "nvfp4": 199.1e6, "mx": 246.6e6,
+                           "fp8-block": 225.1e6}
+CPU_PROCESS_BYTES = {"fp8": 200e6, "int8": 270e6, "int4": 500e6, "nvfp4": 490e6, "mx": 480e6, "fp8-block": 200e6}
 GPU_HOST_LINK_BPS = 20e9  # host <-> GPU copies of the data-free stream (assumed: PCIe Gen4/5 x16, pageable memory)
 GPU_GEMM_EFFICIENCY = 0.35
 GPU_SOLVE_EFFICIENCY = 0.03

@@ -38,7 +38,9 @@ def test_a_data_free_conversion_is_the_slower_of_its_disk_and_its_stream():
     assert est.parts["stream"] == pytest.approx(linears / CPU_STREAM_PARAMS_PER_S["int4"], rel=1e-12)
     assert est.seconds == max(io, est.parts["stream"]) + io / 32
     fp8, nvfp4 = _estimate("fp8-dynamic")[0], _estimate("nvfp4-a16")[0]
-    assert nvfp4.parts["stream"] > fp8.parts["stream"]  # FP4 rounds slower on the CPU (the benchmark's figures)
+    # each format streams at its own measured rate (the benchmark's figures)
+    assert nvfp4.parts["stream"] / fp8.parts["stream"] == pytest.approx(
+        CPU_STREAM_PARAMS_PER_S["fp8"] / CPU_STREAM_PARAMS_PER_S["nvfp4"], rel=1e-12)
     gpu = _estimate("fp8-dynamic", gpu=get_gpu("h200"))[0]
     assert gpu.parts["stream"] < fp8.parts["stream"] and gpu.device_peak > 0 and gpu.processes == 1
 
