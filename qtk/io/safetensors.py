@@ -284,7 +284,7 @@ def recycled_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     are the same sizes as the last layer's: the data-free stream's codes reuse the buffers the written layer left,
     without a page fault per 4 KiB), else torch.empty."""
     pool = _read_buffers
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape) * dtype.itemsize
     if pool is None or n == 0:
         return torch.empty(shape, dtype=dtype)
     return pool.take(n).view(dtype).reshape(shape)
@@ -360,8 +360,7 @@ class SafetensorsFile:
         if end == start:
             return torch.empty(e["shape"], dtype=dtype)
         # uninitialised (a bytearray is zero-filled first: a pass over every page before the read writes them)
-        pool = _read_buffers
-        buf = pool.take(end - start) if pool is not None else torch.empty(end - start, dtype=torch.uint8)
+        buf = recycled_empty((end - start,), torch.uint8)
         self.read_into(memoryview(buf.numpy()).cast("B"), start, name)
         return buf.view(dtype).reshape(e["shape"])
 

@@ -183,10 +183,10 @@ def run_data_free(source, recipe: Recipe, sinks: list, *, on_layer: Callable[[in
     stats.timings["capture"] = time.perf_counter() - t0
     t_layers = time.perf_counter()
     reader = _LayerReader(source, layout, device, overlap)
-    # layer i+1 read into the buffers layer i's tensors leave (no page faults on them after the first layer); at
-    # most one layer's bytes as stored (the source dtype) wait idle
     try:
-        # and the codes the native kernel writes into the buffers the last written layer's codes left (one byte each)
+        # layer i+1 read into the buffers layer i's tensors leave (no page faults on them after the first layer), and
+        # its codes into the buffers the last written layer's codes left: at most one layer's bytes as stored (the
+        # source dtype) and one of codes (a byte each) wait idle
         idle = layout.largest_layer_numel() * (source.dtype.itemsize + 1)
         with reusing_read_buffers(idle), WriteBehind(sinks, resume, overlap) as writer:
             if resume is None:

@@ -91,10 +91,11 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
         for x in lin:
             sch = scheme_of(recipe, x.name)
             if sch is not None:
-                formats.add(stream_format(sch.weights))
+                fmt = stream_format(sch.weights)
+                formats.add(fmt)
                 n = x.numel
                 stream += (n * 3 / GPU_HOST_LINK_BPS if gpu is not None  # 2 bytes there, about 1 back
-                           else n / CPU_STREAM_PARAMS_PER_S[stream_format(sch.weights)])
+                           else n / CPU_STREAM_PARAMS_PER_S[fmt])
     elif recipe is not None:
         n, t = recipe.calibration.num_samples, recipe.calibration.seq_len
         tokens = n * t

@@ -58,7 +58,7 @@ class Measure(Protocol):
         """decoded: the engine's float32 decode of qt (engine_weight), when the rounding made it on the way."""
 
     def native(self, name: str, qt: QTensor, sums) -> None:
-        """The whole weight rounded by qtk's native kernel (qtk.quant.native.grouped), with its per-row error sums and
+        """The whole weight rounded by qtk's native kernel (qtk.quant.native.rounding), with its per-row error sums and
         largest decoded magnitude (RowSums) in place of the blocks."""
 
     def done(self, name: str, qt: QTensor) -> None: ...
@@ -121,7 +121,6 @@ def _round(w: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.T
     if extra is None:
         qt = QTensor.quantize(w32, scheme, dtype)
     else:
-        fmt = format_for(scheme)
         qp = fmt.row_qparams(w32, scheme, dtype, extra)
         qt = QTensor.of(fmt.quantize(w32, qp, scheme, model_dtype=dtype), qp, scheme, dtype)
     if on_block is not None:

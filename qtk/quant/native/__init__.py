@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -127,5 +129,7 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    return library() is not None
+def thread_count(threads: int | None = None) -> int:
+    """The threads a kernel call splits its rows over: `threads`, default torch's intra-op count, 1..64 (the
+    kernels keep per-thread results in arrays of 64)."""
+    return max(1, min(threads or torch.get_num_threads(), 64))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from qtk.quant.native import library
+from qtk.quant.native import library, thread_count
 
 
 def unpack_nibbles(packed: torch.Tensor, out_cols: int, sub: int = 0, dtype: torch.dtype = torch.uint8):
@@ -23,7 +23,7 @@ def unpack_nibbles(packed: torch.Tensor, out_cols: int, sub: int = 0, dtype: tor
     out = torch.empty((*lead, out_cols), dtype=torch.uint8)
     if rows and out_cols:
         used = lib.qtk_unpack_nibbles(src.data_ptr(), rows, src.shape[-1], out_cols, out.data_ptr(), sub,
-                                      max(1, min(torch.get_num_threads(), 64)))
+                                      thread_count())
         if used < 1:
             return None
     return out if dtype == torch.uint8 else out.view(dtype)

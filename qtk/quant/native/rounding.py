@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from qtk.io.safetensors import recycled_empty
-from qtk.quant.native import RTNArgs, library
+from qtk.quant.native import RTNArgs, library, thread_count
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 INT, FP8, BLOCK, MXFP4, NVFP4 = range(5)
@@ -99,7 +99,6 @@ def native_rtn(w: torch.Tensor, scheme, model_dtype: torch.dtype, extra: dict | 
         return None
     w = w.contiguous()
     rows, cols = w.shape
-    threads = max(1, min(threads or torch.get_num_threads(), 64))
     values = recycled_empty((rows, cols), plan.values_dtype)  # the last layer's codes' buffer, in the stream
     scale = torch.empty(plan.scale_shape, dtype=torch.float32)
     row_e = torch.empty(rows, dtype=torch.float64) if want_error else None
@@ -109,7 +108,7 @@ def native_rtn(w: torch.Tensor, scheme, model_dtype: torch.dtype, extra: dict | 
     args = RTNArgs(_ptr(w), rows, cols, plan.group, plan.group_rows, _DT[w.dtype], _DT[model_dtype], plan.kind,
                    int(want_error), plan.divisor, plan.qmin, plan.qmax, plan.zero_scale, gs, _ptr(values), _ptr(scale),
                    _ptr(row_e), _ptr(row_w), _ptr(hi), _ptr(bad))
-    used = lib.qtk_rtn(ctypes.byref(args), threads)
+    used = lib.qtk_rtn(ctypes.byref(args), thread_count(threads))
     if used < 1 or bool(bad[:used].any()):
         return None  # NaN/Inf in the weight or its scale (or out of memory): the torch path raises the clear error
     return values, scale, RowSums(row_e, row_w, float(hi[:used].max())) if want_error else None
@@ -125,8 +124,7 @@ def sq_rows(w_hat: torch.Tensor, ref: torch.Tensor, threads: int | None = None):
     d, r = w_hat.float().contiguous(), ref.contiguous()
     rows, cols = r.shape
     row_e, row_w = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float64)
-    lib.qtk_sq_rows(_ptr(d), _ptr(r), rows, cols, _ptr(row_e), _ptr(row_w),
-                    max(1, min(threads or torch.get_num_threads(), 64)))
+    lib.qtk_sq_rows(_ptr(d), _ptr(r), rows, cols, _ptr(row_e), _ptr(row_w), thread_count(threads))
     return row_e, row_w
 
 
