@@ -599,6 +599,24 @@ def test_disk_full_while_writing(tmp_path, tiny_llama, monkeypatch):
     assert leftovers(tmp_path / "out") == ["notes.txt"]
 
 
+def test_disk_full_while_flushing(tmp_path, tiny_llama, monkeypatch):
+    """Every tensor written, the disk fills while the background flush writes them back during the self-check: the
+    same one-line error, raised at the commit, and nothing left."""
+    from qtk.io import atomic
+
+    flushed = []
+
+    def fsync_tree(d):
+        flushed.append(d)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(atomic, "fsync_tree", fsync_tree)
+    code, out = cli("convert", tiny_llama, "--recipe", "w8a16", "-o", tmp_path / "out", "--no-hash")
+    expect("disk-full", code, out, tmp_path, "no space left on the device", "partial output was removed", "free space")
+    assert flushed and all(".qtk-tmp-" in d.name for d in flushed)  # the temporary output, before any rename
+    assert not (tmp_path / "out").exists() or leftovers(tmp_path / "out") == []
+
+
 DRIVER = """
 import sys, time
 from qtk.model.source import ModelSource

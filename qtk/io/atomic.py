@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 
@@ -24,6 +25,30 @@ def fsync_tree(d: Path) -> None:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     fsync_dir(d)
+
+
+class BackgroundFlush:
+    """fsync_tree of each directory in a background thread (fsync releases the GIL): the disk writes a finished
+    output back while the caller reads it from the page cache (the convert self-check), instead of after it. wait()
+    returns when everything is on disk and raises what the flush raised (EIO, ENOSPC)."""
+
+    def __init__(self, dirs: list[Path]):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(list(dirs),), name="qtk-flush", daemon=True)
+        self.thread.start()
+
+    def _run(self, dirs: list[Path]) -> None:
+        try:
+            for d in dirs:
+                fsync_tree(d)
+        except BaseException as e:  # noqa: BLE001 (handed to wait(), in the caller's thread)
+            self.error = e
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
 
 
 def write_text(p: Path, text: str) -> str:

@@ -83,14 +83,6 @@ class StoredTensor:
         return t
 
 
-def all_finite(t) -> bool:
-    """Whether a tensor, or a StoredTensor scanned chunk by chunk from its file, holds no NaN/Inf. A sum is non-finite
-    whenever one is present; the exact scan (a bool copy) runs only then, so an embedding needs no float32 or bool
-    copy of its size."""
-    chunks = t.chunks() if isinstance(t, StoredTensor) else (t,)
-    return all(bool(torch.isfinite(c.sum())) or bool(torch.isfinite(c).all()) for c in chunks)
-
-
 def as_tensor(t) -> torch.Tensor:
     """A tensor, reading a StoredTensor whole."""
     return t.read() if isinstance(t, StoredTensor) else t
@@ -144,8 +136,9 @@ class _Shard:
         self.f.seek(0)
         self.f.write(struct.pack("<Q", len(header)))
         self.f.write(header)
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        # no fsync here: the shard's bytes stay in the page cache for the self-check that reads them next, while
+        # the convert job flushes the whole output in the background (qtk.io.atomic.BackgroundFlush) and waits for
+        # it before the rename that publishes it; a writer thread that fsync'd each shard stalled on the disk
         self.f.close()
 
 
