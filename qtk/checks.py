@@ -218,7 +218,8 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
 
     import torch
 
-    from qtk.io.safetensors import all_finite, as_tensor
+    from qtk.io.safetensors import as_tensor
+    from qtk.quant.finite import all_finite
     from qtk.quant.error import relative_error
 
     rep = CheckReport()

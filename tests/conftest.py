@@ -31,9 +31,10 @@ def _one_thread():
 def torch_path(monkeypatch):
     """qtk's native CPU kernels off (qtk.quant.native): the torch path they replace, which must stay correct on its own
     (machines without a C compiler, accelerators)."""
-    import qtk.quant.native.rounding as native
+    from qtk.quant.native import packing, rounding, scan
 
-    monkeypatch.setattr(native, "library", lambda: None)
+    for module in (rounding, packing, scan):
+        monkeypatch.setattr(module, "library", lambda: None)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from qtk.model.simulate import QLinear, engine_weight, set_kv_hook, use_qtk_atte
 from qtk.pipeline.capture import capture_layer_inputs
 from qtk.pipeline.device import Activations, activation_budget, compute_dtype, resolve_device
 from qtk.pipeline.memory import map_large_allocations, release_freed_memory
-from qtk.io.safetensors import all_finite
+from qtk.quant.finite import all_finite
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.quant.error import relative_error
 from qtk.pipeline.targets import check_group_size, target_linears

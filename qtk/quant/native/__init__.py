@@ -98,6 +98,10 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.qtk_unpack_nibbles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int, ctypes.c_int]
     lib.qtk_unpack_nibbles.restype = ctypes.c_int
+    lib.qtk_crc32c.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32]
+    lib.qtk_crc32c.restype = ctypes.c_uint32
+    lib.qtk_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.qtk_all_finite.restype = ctypes.c_int
     return lib
 
 
@@ -117,10 +121,10 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("native kernels off: building %s failed (%s); using torch", SOURCE.name, str(detail).strip()[:300])
         return None
-    from qtk.quant.native.rounding import self_test
+    from qtk.quant.native import rounding, scan
 
     try:
-        problem = self_test(lib)
+        problem = rounding.self_test(lib) or scan.self_test(lib)
     except Exception as e:  # noqa: BLE001 (any failure of the check means: do not trust the kernels)
         problem = repr(e)
     if problem:
