@@ -65,3 +65,41 @@ def test_tensors_read_into_reused_buffers_hold_their_own_bytes(tmp_path):
     assert pool.closed
     outside = f.get_tensor("w0")  # outside the block: a fresh buffer each read
     assert torch.equal(outside, tensors["w0"])
+
+
+def _mapped_ranges(path) -> int:
+    """How many of this process's mappings are of `path` (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith(str(path)))
+
+
+def test_mapped_reads_give_the_files_bytes_and_unmap_with_the_last_view(tmp_path):
+    """Within mapped_reads, tensors and chunks are the file's bytes mapped (private: writing to one leaves the file
+    as it was), at unaligned offsets and odd sizes, and each mapping goes when its last tensor or view dies."""
+    import qtk.io.safetensors as st
+    from qtk.io.safetensors import mapped_reads
+
+    path = tmp_path / "t.safetensors"
+    x = torch.randn(300, 77).to(torch.bfloat16)
+    y = torch.arange(13, dtype=torch.int8)
+    z = torch.randn(5, 3)
+    save_file({"y": y, "x": x, "z": z}, str(path))
+    raw = path.read_bytes()
+    f = SafetensorsFile(path)
+    assert _mapped_ranges(path) == 0
+    with mapped_reads():
+        got = {k: f.get_tensor(k) for k in ("x", "y", "z")}
+        assert all(torch.equal(got[k], v) for k, v in (("x", x), ("y", y), ("z", z)))
+        assert _mapped_ranges(path) == 3
+        got["x"][0, 0] = 123.0  # private: the file is untouched
+        chunks = [c.clone() for c in f.stored("x").chunks(1000)]
+        assert torch.equal(torch.cat(chunks), x.reshape(-1))
+    assert path.read_bytes() == raw
+    view = got["x"][5:7]
+    del got
+    gc.collect()
+    assert _mapped_ranges(path) == 1  # x's mapping, held by the view
+    del view
+    gc.collect()
+    assert _mapped_ranges(path) == 0
+    assert not st._mapped_reads  # off again outside the block: positioned reads

@@ -230,15 +230,16 @@ class ConvertJob:
         what was measured (a dropped g_idx, a wrong scale, metadata that decodes differently) fails here, exit 1."""
         from qtk.checks import check_checkpoint
         from qtk.export import open_checkpoint
-        from qtk.io.safetensors import reusing_read_buffers
+        from qtk.io.safetensors import mapped_reads, reusing_read_buffers
 
         t0 = time.perf_counter()
-        # each module's tensors read into the buffers the last module's left (same sizes layer after layer), at most
-        # one source layer's bytes idle
+        # the written tensors mapped from the page cache, not copied (qtk.io.safetensors.mapped_reads: this run's
+        # own temporary output, which nothing else writes); what the decoders make goes into the buffers the last
+        # module's left (same sizes layer after layer), at most one source layer's bytes idle
         idle = self.source.layout().largest_layer_numel() * self.source.dtype.itemsize
         for t, w in zip(self.targets, self.writers):  # judged from the bytes just written, before anything is renamed
             self.stage(f"checking {t}")
-            with reusing_read_buffers(idle):
+            with reusing_read_buffers(idle), mapped_reads():
                 rep = check_checkpoint(open_checkpoint(w.dir), source=self.source, recipe=self.recipe,
                                        measured=self.measured)
             if not rep.ok:
