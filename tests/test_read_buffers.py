@@ -2,8 +2,11 @@
 when no tensor or view of it is alive, tensors read into a reused buffer hold their own bytes, and at most
 `max_idle` bytes wait in the pool."""
 
+import errno
 import gc
+import os
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -103,3 +106,40 @@ def test_mapped_reads_give_the_files_bytes_and_unmap_with_the_last_view(tmp_path
     gc.collect()
     assert _mapped_ranges(path) == 0
     assert not st._mapped_reads  # off again outside the block: positioned reads
+
+
+@pytest.mark.parametrize("refusal", [errno.EXDEV, errno.ENOSYS, errno.EINVAL])
+def test_a_kernel_copy_refused_goes_through_memory_and_a_disk_error_is_raised(tmp_path, monkeypatch, refusal):
+    """Where copy_file_range is refused (file systems it does not copy across, no such call), the StoredTensor is
+    copied through memory with the same bytes, and later copies do not try the kernel again; ENOSPC from the kernel
+    copy is the copy's own error."""
+    import qtk.io.safetensors as st
+    from qtk.io.safetensors import ShardedWriter
+
+    x = torch.randn(700, 33).to(torch.bfloat16)
+    save_file({"x": x}, str(tmp_path / "src.safetensors"))
+    src = SafetensorsFile(tmp_path / "src.safetensors")
+    calls = []
+
+    def refuse(*a):
+        calls.append(a)
+        raise OSError(refusal, os.strerror(refusal))
+
+    monkeypatch.setattr(st, "_kernel_copy", True)
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    seen = []
+    for i in range(2):
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        w = ShardedWriter(out)
+        w.add("x", src.stored("x", check=seen.append))
+        w.close()
+        assert torch.equal(SafetensorsFile(out / "model.safetensors").get_tensor("x"), x)
+    assert len(calls) == 1 and not st._kernel_copy and sum(c.numel() for c in seen) == 2 * x.numel()
+
+    monkeypatch.setattr(st, "_kernel_copy", True)
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    (tmp_path / "full").mkdir()
+    with pytest.raises(OSError) as e:
+        ShardedWriter(tmp_path / "full").add("x", src.stored("x"))
+    assert e.value.errno == errno.ENOSPC

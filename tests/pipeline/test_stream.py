@@ -129,11 +129,16 @@ def _reads(monkeypatch, maps: list | None = None):
     return reads, whole
 
 
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "through-memory"])
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "w4a16"])
-def test_passthrough_tensors_are_copied_in_bounded_chunks_and_byte_identical(recipe, tmp_path, monkeypatch):
+def test_passthrough_tensors_are_copied_in_bounded_chunks_and_byte_identical(recipe, kernel_copy, tmp_path, monkeypatch):
     """The embedding, lm_head (ignored) and final norm pass through unquantized: the stream copies them from the source
-    shard to the output COPY_CHUNK bytes at a time (the write and the self-check's NaN/Inf scan), never reading one
-    whole, and the output is the same bytes as with one chunk per tensor, each passthrough tensor the source's bytes."""
+    shard to the output COPY_CHUNK bytes at a time, by the kernel (copy_file_range, each chunk NaN/Inf-scanned where it
+    landed) or, where the kernel cannot, through memory (positioned reads, scanned as read), never reading one whole;
+    the self-check scans the output's bytes again, mapped. The output is the same bytes as with one chunk per tensor,
+    each passthrough tensor the source's bytes."""
+    import os
+
     import qtk.io.safetensors as st
     from safetensors.torch import load_file
 
@@ -145,16 +150,29 @@ def test_passthrough_tensors_are_copied_in_bounded_chunks_and_byte_identical(rec
     assert set(passthrough) == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
     convert(model, recipe, tmp_path / "whole")  # one chunk per tensor (COPY_CHUNK is 64 MiB)
     monkeypatch.setattr(st, "COPY_CHUNK", 3000, raising=False)  # not a row, not a power of two
-    maps = []
-    reads, whole = _reads(monkeypatch, maps)
+    monkeypatch.setattr(st, "_kernel_copy", kernel_copy and st._kernel_copy)
+    copies, maps = [], []
+    real_copy, real_map = os.copy_file_range, st.map_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: (copies.append(a[2]), real_copy(*a))[1])
+    monkeypatch.setattr(st, "map_range", lambda fd, pos, n: (maps.append(n), real_map(fd, pos, n))[1])
+    checked = []
+    reads, whole = _reads(monkeypatch, checked)
     convert(model, recipe, tmp_path / "chunked")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):  # the norm's values are read whole by the check
-        t, sizes, mapped = passthrough[name], [n for r, n in reads if r == name], [n for r, n in maps if r == name]
-        assert name not in whole and sizes and max(sizes) <= 3000 and mapped and max(mapped) <= 3000, (name, whole, sizes)
-        # read twice, all of it: copied to the output from the source's bytes, and scanned by the self-check from the
-        # output's bytes, mapped from the page cache
+        t, sizes, mapped = passthrough[name], [n for r, n in reads if r == name], [n for r, n in checked if r == name]
         n = t.numel() * t.element_size()
-        assert sum(sizes) == n and len(sizes) >= n // 3000 and sum(mapped) == n and len(mapped) >= n // 3000, name
+        assert name not in whole and mapped and max(mapped) <= 3000, (name, whole, mapped)
+        assert sum(mapped) == n and len(mapped) >= n // 3000, name  # the self-check's scan of the output, mapped
+        if kernel_copy:
+            assert not sizes, name  # never through this process's memory
+        else:
+            assert sizes and max(sizes) <= 3000 and sum(sizes) == n and len(sizes) >= n // 3000, name
+    if kernel_copy:  # every passthrough byte by the kernel, in bounded chunks, each scanned where it landed
+        want = sum(t.numel() * t.element_size() for t in passthrough.values())
+        assert sum(copies) == want and max(copies) <= 3000
+        assert sum(m for m in maps if m <= 3000) >= want
+    else:
+        assert not copies
     a, b = tmp_path / "whole" / "vllm", tmp_path / "chunked" / "vllm"
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     out = load_file(str(b / "model.safetensors"))
