@@ -13,11 +13,16 @@ With several --layers, every model is built first and each repeat runs them in t
 fewest and the most layers (`per_layer`: seconds, and decoder-layer parameters per second, the constants
 qtk/plan/convert_cost.py's CPU_STREAM_PARAMS_PER_S takes from this file).
 
-The I/O floor is measured on the same files: every byte of the source's shards read into memory once (file reads
-through one reused buffer: safetensors' load_file maps a file and reads nothing until a tensor is touched, which is
-how floors before 2026-12 were taken, too low by the whole read), then as many bytes as the converted checkpoint's
-tensors written once into one file and fsync'd (write() calls and fsync timed), after the conversion's output is
-deleted: on a thin-provisioned disk, writing into blocks a deleted file just freed is several times faster than
+The I/O floor is measured on the same files, in two ways. `io_floor_s` (the headline `ratio`): every source byte
+outside the passthrough tensors (embedding, final norm, lm_head) read into memory once (file reads through one
+reused buffer: safetensors' load_file maps a file and reads nothing until a tensor is touched, which is how floors
+before 2026-12 were taken, too low by the whole read), the passthrough tensors' bytes copied by the kernel
+(copy_file_range, as qtk's writer copies them), and the rest of the converted checkpoint's tensor bytes written
+once, into one file, fsync'd. `io_floor_plain_s` (`ratio_plain`): every source byte read into memory and every
+output byte written from memory. Both write in the write() calls qtk's writer makes (WRITE_PIECE, 256 KiB: on
+Linux 6.x a write() of tens of MB takes high-order page-cache folios, which this VM assembled by compaction at
+2.5 s per GB where 256 KiB calls took 0.25 s; floors before 2026-12-02 wrote 64 MiB calls and were up to 3x slow).
+Only the reads, copies, write() calls and the fsync are timed, after the conversion's output is deleted: on a thin-provisioned disk, writing into blocks a deleted file just freed is several times faster than
 into fresh ones, and the conversion writes after the previous run's files are deleted (floors before this took
 the fresh blocks, 2x slower than the conversion's writes, and showed ratios near 0.5). Each timed step also
 starts --settle seconds after that deletion: the VM this was measured on hands freed memory back to its host
@@ -44,6 +49,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+
+from qtk.io.safetensors import write_pieces
 
 from _common import dir_bytes, make_tiny_model, median, qtk_exe, run_measured, write_calib
 
@@ -92,7 +99,7 @@ def write_once(files, nbytes: int, dst: Path) -> float:
             for c in chunks(files):
                 c = c[:left]
                 t0 = time.perf_counter()
-                out.write(c)
+                write_pieces(out, c)  # in the write() calls qtk's writer makes (WRITE_PIECE)
                 spent += time.perf_counter() - t0
                 left -= len(c)
                 if not left:
@@ -167,7 +174,7 @@ def io_floor_kernel_copy(src: Path, nbytes: int, tmp: Path, cold: bool = False) 
             for c in chunks(sorted(src.glob("*.safetensors"))):
                 c = c[:left]
                 t0 = time.perf_counter()
-                out.write(c)
+                write_pieces(out, c)  # in the write() calls qtk's writer makes (WRITE_PIECE)
                 spent += time.perf_counter() - t0
                 left -= len(c)
                 if not left:
