@@ -290,7 +290,9 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
         s = qt.scheme  # the scheme the config gives this module: its bound, its grid
         bound = MAX_REL_ERROR.get((s.type, s.num_bits), math.inf)
         rep.modules[m] = f"{str(qt.values.dtype).replace('torch.', '')} {list(qt.shape)} {s.describe()}"
-        if not (torch.isfinite(qt.scale).all() and (qt.scale > 0).all()):
+        # finite and positive in one pass: NaN propagates through aminmax, so a NaN scale fails too
+        lo_s, hi_s = (float(x) for x in torch.aminmax(qt.scale.float())) if qt.scale.numel() else (1.0, 1.0)
+        if not (lo_s > 0 and hi_s < math.inf):
             bad_scale.append(m)
         v = qt.values.reshape(-1)
         lo, hi = (int(x) for x in torch.aminmax(v)) if s.type == "int" and v.numel() else (0, 0)  # one pass, not two

@@ -154,9 +154,9 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
     measure = _Measure(prefix, measured)
     # each source weight leaves `tensors` here and `weights` when rounded (consume): freed then, so the layer's
     # model-dtype bytes shrink as it is rounded and the read ahead of the next layer fills the room
-    # the native kernel leaves one core to the reading and writing threads, which copy as many bytes as it rounds
-    # (on 2 cores: 0.56-0.66 s per Llama-3-8B layer written instead of 0.68-0.89 with both cores rounding)
-    threads = max(1, torch.get_num_threads() - 1)
+    # the native kernel on every core: the reading and writing threads need little CPU beside it since the writer
+    # writes in WRITE_PIECE calls (on 2 cores a Llama-3-8B layer rounds in 0.3 s with both, 0.45-0.8 s with one)
+    threads = torch.get_num_threads()
     qweights = rtn.rtn_weights(weights, schemes, arch, dtype, measure, consume=True, threads=threads)
     errors = {prefix + t: measure.errors[prefix + t] for t in qweights}  # in the QTensors' order, as before
     host = torch.device("cpu")

@@ -24,6 +24,7 @@ from typing import Mapping
 
 import torch
 
+from qtk.io.safetensors import recycled_empty
 from qtk.quant.fp4 import pack_fp4, unpack_fp4
 from qtk.quant.formats.nvfp4 import GLOBAL
 from qtk.quant.mx import e8m0_decode, e8m0_encode
@@ -81,16 +82,22 @@ def encode(qt: QTensor, dtype: torch.dtype, fmt: str) -> dict[str, torch.Tensor]
     return {"weight": qt.values, "weight_scale": qt.scale.to(scale_dtype)}
 
 
+def _float(t: torch.Tensor) -> torch.Tensor:
+    """t as float32, a copy in a recycled buffer (qtk.io.safetensors.recycled_empty: the self-check decodes layer
+    after layer, each scale the size of the last layer's) unless it is float32 already."""
+    return t if t.dtype == torch.float32 else recycled_empty(t.shape, torch.float32).copy_(t)
+
+
 def decode(t: Mapping[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype) -> QTensor:
     """The QTensor of one module from its stored tensors (packed or not, as found)."""
     if scheme.is_nvfp4:
         values = unpack_fp4(t["weight_packed"])
-        return QTensor(values, t["weight_scale"].float(), scheme, dtype=dtype,
+        return QTensor(values, _float(t["weight_scale"]), scheme, dtype=dtype,
                        extra={GLOBAL: t["weight_global_scale"].float().reshape(1)})
     if scheme.is_mx:
         values = unpack_fp4(t["weight_packed"]) if scheme.num_bits == 4 else t["weight"]
         return QTensor(values, e8m0_decode(t["weight_scale"]), scheme, dtype=dtype)
-    scale = t["weight_scale"].float()
+    scale = _float(t["weight_scale"])
     zero = None
     if "weight_packed" in t:
         out_f, in_f = t["weight_shape"].tolist()

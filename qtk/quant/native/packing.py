@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from qtk.io.safetensors import recycled_empty
 from qtk.quant.native import library, thread_count
 
 
@@ -20,7 +21,7 @@ def unpack_nibbles(packed: torch.Tensor, out_cols: int, sub: int = 0, dtype: tor
     src = packed.contiguous()
     lead = tuple(src.shape[:-1])
     rows = src.numel() // max(src.shape[-1], 1) if src.shape[-1] else 0
-    out = torch.empty((*lead, out_cols), dtype=torch.uint8)
+    out = recycled_empty((*lead, out_cols), torch.uint8)  # the self-check decodes layer after layer: same sizes
     if rows and out_cols:
         used = lib.qtk_unpack_nibbles(src.data_ptr(), rows, src.shape[-1], out_cols, out.data_ptr(), sub,
                                       thread_count())
