@@ -93,20 +93,26 @@ def write_once(files, nbytes: int, dst: Path) -> float:
     on the thin-provisioned VM disk this was measured on, 3.4 GB fsync'd took 1.4-1.7 s into blocks a deleted file
     had just freed and 8-12 s into fresh ones. So the floor writes after the conversion's output is deleted, as the
     conversion writes after the previous run's output and floor file are: both into freed blocks."""
-    spent, left = 0.0, nbytes
     with open(dst, "wb", buffering=0) as out:
-        while left:
-            for c in chunks(files):
-                c = c[:left]
-                t0 = time.perf_counter()
-                write_pieces(out, c)  # in the write() calls qtk's writer makes (WRITE_PIECE)
-                spent += time.perf_counter() - t0
-                left -= len(c)
-                if not left:
-                    break
-        t0 = time.perf_counter()
-        os.fsync(out.fileno())
-        spent += time.perf_counter() - t0
+        return write_and_sync(out, files, nbytes)
+
+
+def write_and_sync(out, files, nbytes: int) -> float:
+    """Seconds to write `nbytes` bytes of `files` (from their start again if more are asked for) to the open file
+    `out` and fsync it: only the write() calls and the fsync are timed."""
+    spent, left = 0.0, nbytes
+    while left:
+        for c in chunks(files):
+            c = c[:left]
+            t0 = time.perf_counter()
+            write_pieces(out, c)  # in the write() calls qtk's writer makes (WRITE_PIECE)
+            spent += time.perf_counter() - t0
+            left -= len(c)
+            if not left:
+                break
+    t0 = time.perf_counter()
+    os.fsync(out.fileno())
+    spent += time.perf_counter() - t0
     return spent
 
 
@@ -169,19 +175,8 @@ def io_floor_kernel_copy(src: Path, nbytes: int, tmp: Path, cold: bool = False) 
                     pos = start + n
             finally:
                 os.close(fd)
-        left = max(nbytes - copied, 0)  # the converted layers' bytes, written from the source's (page cache)
-        while left:
-            for c in chunks(sorted(src.glob("*.safetensors"))):
-                c = c[:left]
-                t0 = time.perf_counter()
-                write_pieces(out, c)  # in the write() calls qtk's writer makes (WRITE_PIECE)
-                spent += time.perf_counter() - t0
-                left -= len(c)
-                if not left:
-                    break
-        t0 = time.perf_counter()
-        os.fsync(out.fileno())
-        spent += time.perf_counter() - t0
+        # the converted layers' bytes, written from the source's (page cache), then the fsync
+        spent += write_and_sync(out, sorted(src.glob("*.safetensors")), max(nbytes - copied, 0))
     dst.unlink()
     return spent
 
