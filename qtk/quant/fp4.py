@@ -97,6 +97,11 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     n = codes.shape[-1]
     if n % 2:
         raise ValueError(f"pack_fp4: the last dim must be even to pack two FP4 codes per byte, got {n}")
+    from qtk.quant.native.packing import pack_nibbles
+
+    fast = pack_nibbles(codes, n // 2) if codes.dim() else None  # one native pass on the CPU
+    if fast is not None:
+        return fast
     c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // 2, 2)
     return c[..., 0] | (c[..., 1] << 4)
 

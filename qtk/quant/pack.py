@@ -67,6 +67,12 @@ def pack_ct(q: torch.Tensor, bits: int) -> torch.Tensor:
     rows_, n = q.shape
     if sys.byteorder == "little" and not 8 % bits and q.dtype == torch.int8:
         per, n_words = 8 // bits, -(-n * bits // 32)
+        if bits == 4:
+            from qtk.quant.native.packing import pack_nibbles
+
+            fast = pack_nibbles(q, n_words * 4, add=offset(bits))  # one native pass on the CPU
+            if fast is not None:
+                return fast.view(torch.int32).reshape(rows_, n_words)
         u = q.view(torch.uint8) + offset(bits)  # uint8 arithmetic wraps: -8 + 8 -> 0, 7 + 8 -> 15
         pad = n_words * 4 * per - n
         if pad:

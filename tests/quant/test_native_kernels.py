@@ -229,3 +229,26 @@ def test_nibble_unpacking_is_the_torch_paths():
         assert got.dtype == torch.int8 and torch.equal(got, q)
         assert torch.equal(got, (unpack_words(words, 4, cols) - 8).to(torch.int8))
     assert unpack_nibbles(packed.to(torch.int16), 64) is None and unpack_nibbles(packed, 129) is None
+
+
+def test_nibble_packing_is_the_torch_paths(torch_path, monkeypatch):
+    """FP4 codes and compressed-tensors int4 values packed natively give the torch path's bytes (pack_words' int32
+    words for int4, odd widths and padding words included), and unpack back."""
+    from qtk.quant.fp4 import pack_fp4
+    from qtk.quant.native import packing
+    from qtk.quant.pack import pack_ct, pack_words, unpack_ct
+
+    g = torch.Generator().manual_seed(8)
+    fp4 = torch.randint(0, 16, (3, 5, 64), generator=g, dtype=torch.uint8)
+    ints = {cols: torch.randint(-8, 8, (11, cols), generator=g, dtype=torch.int8) for cols in (1, 7, 8, 33, 4096)}
+    ints[64] = torch.tensor([[-8, 7] * 32], dtype=torch.int8)  # the extremes
+    by_torch = (pack_fp4(fp4), {c: pack_ct(q, 4) for c, q in ints.items()})  # the fixture: kernels off
+    monkeypatch.setattr(packing, "library", native.library)
+    assert packing.pack_nibbles(fp4, 32) is not None  # the kernels on again
+    assert torch.equal(pack_fp4(fp4), by_torch[0])
+    for cols, q in ints.items():
+        words = pack_ct(q, 4)
+        assert words.dtype == torch.int32 and torch.equal(words, by_torch[1][cols]), cols
+        assert torch.equal(words, pack_words((q.to(torch.int64) + 8), 4)), cols
+        assert torch.equal(unpack_ct(words, 4, cols), q), cols
+    assert packing.pack_nibbles(fp4.to(torch.int16), 32) is None and packing.pack_nibbles(fp4, 31) is None

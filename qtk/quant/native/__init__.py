@@ -98,6 +98,9 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.qtk_unpack_nibbles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int, ctypes.c_int]
     lib.qtk_unpack_nibbles.restype = ctypes.c_int
+    lib.qtk_pack_nibbles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int, ctypes.c_int]
+    lib.qtk_pack_nibbles.restype = ctypes.c_int
     lib.qtk_crc32c.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32]
     lib.qtk_crc32c.restype = ctypes.c_uint32
     lib.qtk_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]

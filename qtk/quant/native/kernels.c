@@ -450,6 +450,46 @@ int qtk_unpack_nibbles(const uint8_t *src, int64_t rows, int64_t in_bytes, int64
     return split_rows(rows, 1, threads, nibbles_job, jobs, sizeof(nib_job_t), set_nib);
 }
 
+/* The inverse: rows of `in_cols` codes (uint8 or int8 bytes) -> rows of `out_bytes` bytes, code 2i plus `add` (uint8,
+ * wrapping: 8 turns int4's signed values into compressed-tensors' unsigned ones) in the low nibble of byte i, code
+ * 2i+1 in the high one; nibbles past in_cols are 0 (a row padded to whole int32 words). */
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    int64_t in_cols, out_bytes, r0, r1;
+    uint8_t add;
+} pack_job_t;
+
+static void *pack_job(void *arg) {
+    const pack_job_t *j = (const pack_job_t *)arg;
+    const int64_t whole = j->in_cols / 2;
+    for (int64_t r = j->r0; r < j->r1; r++) {
+        const uint8_t *s = j->src + r * j->in_cols;
+        uint8_t *d = j->dst + r * j->out_bytes;
+        for (int64_t i = 0; i < whole; i++)
+            d[i] = (uint8_t)(((uint8_t)(s[2 * i] + j->add) & 15u) | (((uint8_t)(s[2 * i + 1] + j->add) & 15u) << 4));
+        int64_t i = whole;
+        if (j->in_cols & 1) d[i++] = (uint8_t)((uint8_t)(s[j->in_cols - 1] + j->add) & 15u);
+        for (; i < j->out_bytes; i++) d[i] = 0;
+    }
+    return NULL;
+}
+
+static void set_pack(void *job, int64_t r0, int64_t r1, int t) {
+    pack_job_t *j = (pack_job_t *)job;
+    (void)t;
+    j->r0 = r0;
+    j->r1 = r1;
+}
+
+int qtk_pack_nibbles(const uint8_t *src, int64_t rows, int64_t in_cols, int64_t out_bytes, uint8_t *dst, int add,
+                     int threads) {
+    pack_job_t jobs[64], proto = {src, dst, in_cols, out_bytes, 0, 0, (uint8_t)add};
+    if (out_bytes * 2 < in_cols || rows < 0) return -1;
+    for (int t = 0; t < 64; t++) jobs[t] = proto;
+    return split_rows(rows, 1, threads, pack_job, jobs, sizeof(pack_job_t), set_pack);
+}
+
 /* CRC-32C (Castagnoli, reflected polynomial 0x82f63b78; iSCSI's and ext4's checksum) of n bytes, continuing from
  * `crc` (a finished value: 0 to start; crc32c("123456789") = 0xe3069283). The CPU's instruction where the build
  * target has it (x86 SSE4.2 crc32, 8 bytes per instruction; ARMv8's CRC32C), else eight table lookups per 8 bytes;
