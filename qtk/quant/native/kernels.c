@@ -411,26 +411,39 @@ void qtk_block_sums(const double *row, int64_t rows, int64_t step, double *out) 
 }
 
 /* Two 4-bit codes per byte, low nibble first (compressed-tensors' int4 words on a little-endian host, and FP4's
- * packing): rows of `in_bytes` bytes -> rows of `out_cols` codes, each minus `sub` (uint8 arithmetic, wrapping: 8
- * gives int4's signed values viewed as int8). */
+ * packing). Unpacking: rows of `in_len` bytes -> rows of `out_len` codes, each minus `k` (uint8 arithmetic, wrapping:
+ * 8 gives int4's signed values viewed as int8). Packing, the inverse: rows of `in_len` codes (uint8 or int8 bytes) ->
+ * rows of `out_len` bytes, code 2i plus `k` in the low nibble of byte i, code 2i+1 in the high one; nibbles past
+ * in_len are 0 (a row padded to whole int32 words). */
 typedef struct {
     const uint8_t *src;
     uint8_t *dst;
-    int64_t in_bytes, out_cols, r0, r1;
-    uint8_t sub;
+    int64_t in_len, out_len, r0, r1;
+    uint8_t k;
+    int pack;
 } nib_job_t;
 
 static void *nibbles_job(void *arg) {
     const nib_job_t *j = (const nib_job_t *)arg;
-    const int64_t whole = j->out_cols / 2;
+    const uint8_t k = j->k;
     for (int64_t r = j->r0; r < j->r1; r++) {
-        const uint8_t *s = j->src + r * j->in_bytes;
-        uint8_t *d = j->dst + r * j->out_cols;
-        for (int64_t i = 0; i < whole; i++) {
-            d[2 * i] = (uint8_t)((s[i] & 15u) - j->sub);
-            d[2 * i + 1] = (uint8_t)((s[i] >> 4) - j->sub);
+        const uint8_t *s = j->src + r * j->in_len;
+        uint8_t *d = j->dst + r * j->out_len;
+        if (j->pack) {
+            const int64_t whole = j->in_len / 2;
+            for (int64_t i = 0; i < whole; i++)
+                d[i] = (uint8_t)(((uint8_t)(s[2 * i] + k) & 15u) | (((uint8_t)(s[2 * i + 1] + k) & 15u) << 4));
+            int64_t i = whole;
+            if (j->in_len & 1) d[i++] = (uint8_t)((uint8_t)(s[j->in_len - 1] + k) & 15u);
+            for (; i < j->out_len; i++) d[i] = 0;
+        } else {
+            const int64_t whole = j->out_len / 2;
+            for (int64_t i = 0; i < whole; i++) {
+                d[2 * i] = (uint8_t)((s[i] & 15u) - k);
+                d[2 * i + 1] = (uint8_t)((s[i] >> 4) - k);
+            }
+            if (j->out_len & 1) d[j->out_len - 1] = (uint8_t)((s[whole] & 15u) - k);
         }
-        if (j->out_cols & 1) d[j->out_cols - 1] = (uint8_t)((s[whole] & 15u) - j->sub);
     }
     return NULL;
 }
@@ -442,52 +455,23 @@ static void set_nib(void *job, int64_t r0, int64_t r1, int t) {
     j->r1 = r1;
 }
 
-int qtk_unpack_nibbles(const uint8_t *src, int64_t rows, int64_t in_bytes, int64_t out_cols, uint8_t *dst, int sub,
-                       int threads) {
-    nib_job_t jobs[64], proto = {src, dst, in_bytes, out_cols, 0, 0, (uint8_t)sub};
-    if (in_bytes * 2 < out_cols || rows < 0) return -1;
+static int run_nibbles(nib_job_t proto, int64_t rows, int threads) {
+    nib_job_t jobs[64];
+    if (rows < 0) return -1;
     for (int t = 0; t < 64; t++) jobs[t] = proto;
     return split_rows(rows, 1, threads, nibbles_job, jobs, sizeof(nib_job_t), set_nib);
 }
 
-/* The inverse: rows of `in_cols` codes (uint8 or int8 bytes) -> rows of `out_bytes` bytes, code 2i plus `add` (uint8,
- * wrapping: 8 turns int4's signed values into compressed-tensors' unsigned ones) in the low nibble of byte i, code
- * 2i+1 in the high one; nibbles past in_cols are 0 (a row padded to whole int32 words). */
-typedef struct {
-    const uint8_t *src;
-    uint8_t *dst;
-    int64_t in_cols, out_bytes, r0, r1;
-    uint8_t add;
-} pack_job_t;
-
-static void *pack_job(void *arg) {
-    const pack_job_t *j = (const pack_job_t *)arg;
-    const int64_t whole = j->in_cols / 2;
-    for (int64_t r = j->r0; r < j->r1; r++) {
-        const uint8_t *s = j->src + r * j->in_cols;
-        uint8_t *d = j->dst + r * j->out_bytes;
-        for (int64_t i = 0; i < whole; i++)
-            d[i] = (uint8_t)(((uint8_t)(s[2 * i] + j->add) & 15u) | (((uint8_t)(s[2 * i + 1] + j->add) & 15u) << 4));
-        int64_t i = whole;
-        if (j->in_cols & 1) d[i++] = (uint8_t)((uint8_t)(s[j->in_cols - 1] + j->add) & 15u);
-        for (; i < j->out_bytes; i++) d[i] = 0;
-    }
-    return NULL;
-}
-
-static void set_pack(void *job, int64_t r0, int64_t r1, int t) {
-    pack_job_t *j = (pack_job_t *)job;
-    (void)t;
-    j->r0 = r0;
-    j->r1 = r1;
+int qtk_unpack_nibbles(const uint8_t *src, int64_t rows, int64_t in_bytes, int64_t out_cols, uint8_t *dst, int sub,
+                       int threads) {
+    nib_job_t proto = {src, dst, in_bytes, out_cols, 0, 0, (uint8_t)sub, 0};
+    return in_bytes * 2 < out_cols ? -1 : run_nibbles(proto, rows, threads);
 }
 
 int qtk_pack_nibbles(const uint8_t *src, int64_t rows, int64_t in_cols, int64_t out_bytes, uint8_t *dst, int add,
                      int threads) {
-    pack_job_t jobs[64], proto = {src, dst, in_cols, out_bytes, 0, 0, (uint8_t)add};
-    if (out_bytes * 2 < in_cols || rows < 0) return -1;
-    for (int t = 0; t < 64; t++) jobs[t] = proto;
-    return split_rows(rows, 1, threads, pack_job, jobs, sizeof(pack_job_t), set_pack);
+    nib_job_t proto = {src, dst, in_cols, out_bytes, 0, 0, (uint8_t)add, 1};
+    return out_bytes * 2 < in_cols ? -1 : run_nibbles(proto, rows, threads);
 }
 
 /* CRC-32C (Castagnoli, reflected polynomial 0x82f63b78; iSCSI's and ext4's checksum) of n bytes, continuing from
