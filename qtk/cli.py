@@ -55,14 +55,11 @@ class QtkGroup(click.Group):
         return super().get_command(ctx, name)
 
     def invoke(self, ctx):
-        import signal
+        from qtk import interrupts
 
-        def on_term(signum, frame):  # `kill` cleans up like Ctrl-C instead of leaving temp dirs behind
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, on_term)
         try:
-            return super().invoke(ctx)
+            with interrupts.handled():  # Ctrl-C and `kill` end the run even when a finalizer swallowed the signal
+                return super().invoke(ctx)
         except click.exceptions.NoArgsIsHelpError:
             raise
         except click.UsageError as e:  # a bad option value: one line like qtk's own errors, not click's usage block

@@ -671,6 +671,41 @@ def test_ctrl_c_mid_layer(tmp_path, tiny_llama):
     assert stdout == "" and leftovers(tmp_path / "out") == []
 
 
+SWALLOWING_DRIVER = """
+import os, signal, sys, threading
+import qtk.pipeline.stream as stream
+
+release = stream._LayerReader._release
+sent = []
+
+def release_and_interrupt(self, n):  # a finalizer: the first one that runs in the main thread gets the Ctrl-C
+    if not sent and threading.current_thread() is threading.main_thread():
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100000):  # the handler runs here, inside the finalizer, which drops its KeyboardInterrupt
+            pass
+    release(self, n)
+
+stream._LayerReader._release = release_and_interrupt
+from qtk.cli import main
+main(sys.argv[1:], prog_name="qtk")
+"""
+
+
+def test_ctrl_c_swallowed_by_a_finalizer_still_ends_the_run(tmp_path, tiny_llama):
+    """Ctrl-C that lands while a weakref finalizer runs (the stream returns its read budget in finalizers, whenever a
+    tensor dies) is printed as "Exception ignored" and dropped by Python; the run must still stop at the next layer
+    with exit 130 and nothing left, not go on to write a checkpoint (or wait for a stalled read: a CI run hung so)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run([sys.executable, "-c", SWALLOWING_DRIVER, "convert", str(tiny_llama), "--recipe", "w8a16",
+                           "-o", str(tmp_path / "out"), "--no-hash"],
+                          capture_output=True, text=True, env=env, preexec_fn=_sigint_default, timeout=300)
+    assert "Exception ignored" in proc.stderr and "KeyboardInterrupt" in proc.stderr  # the signal was swallowed
+    expect("interrupted", proc.returncode, proc.stderr.splitlines()[-1], tmp_path,
+           "no output was left behind", exit_code=130, prefix="interrupted: ")
+    assert not (tmp_path / "out").exists() or leftovers(tmp_path / "out") == []
+
+
 # ---- targets, qtk plan and qtk eval ----
 
 

@@ -20,6 +20,7 @@ LEVELS: dict[str, int] = {
     "qtk.errors": 0,
     "qtk.validation": 0,
     "qtk.progress": 0,
+    "qtk.interrupts": 0,
     "qtk.io": 1,
     "qtk.quant": 2,
     "qtk.recipe": 3,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from qtk import interrupts
 from qtk.convert import calibration, manifest, output
 from qtk.convert.options import ConvertOptions
 from qtk.errors import CheckFailed, QtkError
@@ -195,6 +196,7 @@ class ConvertJob:
 
         def on_layer(done, total, layer):
             faults.fault_point("quantize: a layer computed")  # a run may die between layers (tests; every rank)
+            interrupts.check()
             if self.on_layer:
                 self.on_layer(done, total, layer)
 
@@ -265,6 +267,7 @@ class ConvertJob:
         (what the user waits for; benchmarks/convert_io.py compares it with reading the source and writing the bytes
         once, fsync'd); `flush` is the part of it spent waiting for the disk after the self-check."""
         t0 = time.perf_counter()
+        interrupts.check()  # Ctrl-C during the self-check, swallowed by a finalizer: nothing is renamed
         self.wait_flush()
         for w in self.writers:
             fsync_tree(w.dir)

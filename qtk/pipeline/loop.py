@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from qtk import interrupts
 from qtk.errors import UsageError
 from qtk.model.moe import moe_blocks, report_starved_experts
 from qtk.model.simulate import QLinear, engine_weight, set_kv_hook, use_qtk_attention
@@ -320,6 +321,7 @@ class LayerPrefetch:
         return self.source.layer(self.skeleton, i, self.dtype, device=self.device)
 
     def get(self, i: int, n: int) -> torch.nn.Module:
+        interrupts.check()  # a Ctrl-C a finalizer swallowed ends the run here, not after waiting for the read
         if self.ahead is not None and self.ahead[0] == i:
             layer = self.ahead[1].result()
         else:

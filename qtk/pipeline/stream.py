@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from qtk import interrupts
 from qtk.model.simulate import engine_weight
 from qtk.quant.error import ErrorSum, block_rows
 from qtk.pipeline.device import compute_dtype, resolve_device
@@ -88,6 +89,7 @@ class _LayerReader:
         return out
 
     def get(self, i: int, n: int) -> dict[str, torch.Tensor]:
+        interrupts.check()  # a Ctrl-C a finalizer swallowed ends the run here, not after waiting for the read
         with self.cond:
             self.wanted = i
             self.cond.notify_all()
