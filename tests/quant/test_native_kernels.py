@@ -68,6 +68,36 @@ def test_fp4_rounding_of_every_half_value_is_torchs(half):
     assert _same(values, ref.values) and torch.equal(scale, ref.scale)
 
 
+def _group_leaders(half: torch.dtype, group: int, limit: float) -> torch.Tensor:
+    """Every finite value of `half` with |x| <= limit, one per group of `group` columns (the rest of each group a
+    quarter of it), 256 columns a row: each group's amax is that value."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(half).float()
+    x = bits[torch.isfinite(bits) & (bits.abs() <= limit)]
+    x = torch.cat([x, torch.zeros((-x.numel()) % (256 // group))])
+    groups = torch.cat([x[:, None], (x / 4)[:, None].expand(-1, group - 1)], dim=1)
+    return groups.reshape(-1, 256).to(half)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_fp4_group_scales_of_every_half_amax_are_torchs(half):
+    """The group scales of the 4-bit float formats for every amax the model dtype holds: NVFP4's e4m3 rounding of
+    gs * amax / 6 over e4m3's whole range (subnormal, normal, clamped at 448; gs 1), MXFP4's power of two up to the
+    largest float (where the rounded exponent saturates)."""
+    from qtk.quant.formats.nvfp4 import GLOBAL, NVFP4Format
+
+    w = _group_leaders(half, 16, 2700.0)  # 448 * 6 = 2688: past it the scale clamps
+    extra = {GLOBAL: torch.tensor(1.0)}
+    qp = NVFP4Format().row_qparams(w.float(), NVFP4, half, extra)
+    ref = NVFP4Format().quantize(w.float(), qp, NVFP4)
+    for given in (w, w.float()):
+        values, scale, _ = rounding.native_rtn(given, NVFP4, half, extra, want_error=False)
+        assert _same(values, ref) and torch.equal(scale, qp.scale.float())
+    w = _group_leaders(half, 32, float("inf"))
+    ref = QTensor.quantize(w.float(), MXFP4, half)
+    values, scale, _ = rounding.native_rtn(w, MXFP4, half, want_error=False)
+    assert _same(values, ref.values) and torch.equal(scale, ref.scale.float())
+
+
 def _weights(rows=96, cols=256, seed=0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g) * 0.05

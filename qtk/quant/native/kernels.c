@@ -127,6 +127,26 @@ INLINE float e4m3_value(uint8_t c) {
     return (c & 0x80u) ? -mag : mag;
 }
 
+/* x rounded to the nearest e4m3 value, |x| <= 448: e4m3_value(e4m3_code(x)) in float bits alone, with no byte in
+   between (the group loop of NVFP4's scales vectorises with it, not with the pair) */
+INLINE float e4m3_round(float x) {
+    uint32_t u = bits_of_f32(x), sign = u & 0x80000000u, a = u & 0x7fffffffu;
+    uint32_t normal = (a + 0x7ffffu + ((a >> 20) & 1u)) & 0xfff00000u;
+    float sub = round_even_small(f32_of_bits(a < 0x3c800000u ? a : 0u) * 512.0f) * (1.0f / 512.0f);
+    return f32_of_bits(sign | (a >= 0x3c800000u ? normal : bits_of_f32(sub)));
+}
+
+/* e4m3 code of x and its value (e4m3_value(e4m3_code(x))) from one rounding, |x| <= 448 */
+INLINE float e4m3_code_value(float x, uint8_t *code) {
+    uint32_t u = bits_of_f32(x), sign = u & 0x80000000u, a = u & 0x7fffffffu;
+    uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+    float m = round_even_small(f32_of_bits(a < 0x3c800000u ? a : 0u) * 512.0f);  /* subnormal: units of 2^-9 */
+    uint32_t c = a >= 0x3c800000u ? (r >> 20) - (120u << 3) : (uint32_t)m;
+    float mag = a >= 0x3c800000u ? f32_of_bits(r & 0xfff00000u) : m * (1.0f / 512.0f);
+    *code = (uint8_t)((sign >> 24) | c);
+    return f32_of_bits(sign | bits_of_f32(mag));
+}
+
 /* e2m1 code of x, |x| <= 6 (clamped before): the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6, ties to the even code
    (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); sign bit 3 when x < 0 */
 INLINE uint8_t e2m1_code(float x) {
@@ -177,41 +197,91 @@ INLINE uint32_t amax_bits(const float *x, int64_t n) {
     return m;
 }
 
-/* The stored scale of a group from its amax (bits), per the table above. */
-INLINE float group_scale(uint32_t mb, const qtk_rtn_args *a, const int half, const int kind) {
+/* The stored scale of a group from its amax (bits), per the table above (the scheme's constants passed in registers:
+   the group loop below vectorises). */
+INLINE float group_scale(uint32_t mb, float divisor, float zero_scale, float global_scale, const int half,
+                         const int kind) {
     float m = f32_of_bits(mb);
     if (kind == KIND_MXFP4) {
-        uint32_t e = ((mb + (1u << 21)) >> 23) & 0xffu;  /* exponent of amax rounded to a power of two */
-        uint32_t code = e > 2u ? e - 2u : 0u;             /* 127 + log2(pow2) - 2, 0 for a zero or tiny amax */
-        code = code > 254u ? 254u : code;
-        code = e == 255u ? 254u : code;                   /* rounded past the largest float: +Inf, clamped */
-        return code ? f32_of_bits(code << 23) : f32_of_bits(0x00400000u);  /* 2^(code - 127) */
+        int32_t e = (int32_t)(((mb + (1u << 21)) >> 23) & 0xffu);  /* exponent of amax rounded to a power of two */
+        int32_t code = e - 2 > 0 ? e - 2 : 0;   /* 127 + log2(pow2) - 2, 0 for a zero or tiny amax */
+        code = code == 253 ? 254 : code;          /* e 255: rounded past the largest float (+Inf), clamped to 254 */
+        return f32_of_bits(code ? (uint32_t)code << 23 : 0x00400000u);  /* 2^(code - 127) */
     }
     if (kind == KIND_NVFP4) {
-        float t = a->global_scale * round_to(m / 6.0f, half);
+        float t = global_scale * round_to(m / 6.0f, half);
         t = t > 448.0f ? 448.0f : t;
-        float s = e4m3_value(e4m3_code(t));
+        float s = e4m3_round(t);
         return s == 0.0f ? 0.125f : s;
     }
-    float s = round_to(m / a->divisor, half);
-    return s > 0.0f ? s : a->zero_scale;
+    float s = round_to(m / divisor, half);
+    return s > 0.0f ? s : zero_scale;
+}
+
+/* The scales of ng groups from their amax (bits), and each one's divisor (NVFP4: s / gs, formed first in float32).
+   One branch-free loop over the groups, vectorised: for 16-column NVFP4 groups a scalar group at a time cost as
+   much as the rounding itself. Returns 0 when an amax or a scale is not finite. */
+INLINE int group_scales(const uint32_t *restrict tmax, int64_t ng, const qtk_rtn_args *a, float *restrict scale,
+                        float *restrict dv, const int half, const int kind) {
+    const float divisor = a->divisor, zero = a->zero_scale, gs = a->global_scale;
+    uint32_t bad = 0;  /* bit 31: some |x| >= 0x7f800000 (Inf or NaN) among the amax and scales (x + 2^23 carries) */
+    for (int64_t g = 0; g < ng; g++) {
+        const uint32_t mb = tmax[g];
+        const float s = group_scale(mb, divisor, zero, gs, half, kind);
+        bad |= (mb + 0x00800000u) | ((bits_of_f32(s) & 0x7fffffffu) + 0x00800000u);
+        scale[g] = s;
+        dv[g] = kind == KIND_NVFP4 ? s / gs : s;
+    }
+    return !(bad >> 31);
+}
+
+/* Each group's amax (bits) of one row of `cols` values, groups of G (the last one may be narrower); 16 and 32 are
+   compile-time sizes here, so each group is one or two vector operations and a reduction, not a short loop. */
+INLINE void row_group_amax(const float *x, int64_t cols, int64_t G, uint32_t *out) {
+    const int64_t ng = (cols + G - 1) / G;
+    if (G == 16 && cols % 16 == 0) {
+        for (int64_t g = 0; g < ng; g++) out[g] = amax_bits(x + g * 16, 16);
+    } else if (G == 32 && cols % 32 == 0) {
+        for (int64_t g = 0; g < ng; g++) out[g] = amax_bits(x + g * 32, 32);
+    } else {
+        for (int64_t g = 0; g < ng; g++) out[g] = amax_bits(x + g * G, (g + 1) * G <= cols ? G : cols - g * G);
+    }
+}
+
+/* sv[j] = dv[j / G] over a row (the per-element divisors row_round reads), G a compile-time size where it can be. */
+INLINE void fill_divisors(const float *restrict dv, int64_t cols, int64_t G, float *restrict sv) {
+    const int64_t ng = (cols + G - 1) / G;
+    if (G == 16 && cols % 16 == 0) {
+        for (int64_t g = 0; g < ng; g++)
+            for (int64_t k = 0; k < 16; k++) sv[g * 16 + k] = dv[g];
+    } else if (G == 32 && cols % 32 == 0) {
+        for (int64_t g = 0; g < ng; g++)
+            for (int64_t k = 0; k < 32; k++) sv[g * 32 + k] = dv[g];
+    } else {
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t n = (g + 1) * G <= cols ? G : cols - g * G;
+            for (int64_t k = 0; k < n; k++) sv[g * G + k] = dv[g];
+        }
+    }
 }
 
 /* Codes and decode (df) of the n values x of a row, each under its group's divisor sv[j] (the stored scale; NVFP4:
-   s / gs); returns the largest decoded magnitude. One loop over the whole row (groups of 16 or 32 are shorter than
-   a vector loop's stride). */
-INLINE float row_round(const float *x, int64_t n, const float *sv, const qtk_rtn_args *a, void *qv, float *df,
-                       const int half, const int kind) {
+   s / gs), or sv[0] for all when `one` (a scale per row: no row of divisors to fill and read); returns the largest
+   decoded magnitude. One loop over the whole row (groups of 16 or 32 are shorter than a vector loop's stride). */
+INLINE float row_round(const float *x, int64_t n, const float *sv, const int one, const qtk_rtn_args *a, void *qv,
+                       float *df, const int half, const int kind) {
     uint32_t dmax = 0;
+    const float s1 = sv[0];
+#define SV(j) (one ? s1 : sv[j])
     if (kind == KIND_INT) {
         int8_t *q = (int8_t *)qv;
         const float qmin = a->qmin, qmax = a->qmax;
         for (int64_t j = 0; j < n; j++) {
-            float v = round_even_small(round_to(x[j] / sv[j], half));  /* |x / s| <= ~130 */
+            float v = round_even_small(round_to(x[j] / SV(j), half));  /* |x / s| <= ~130 */
             v = v < qmin ? qmin : v;
             v = v > qmax ? qmax : v;
             q[j] = (int8_t)v;
-            float d = round_to(v * sv[j], half);
+            float d = round_to(v * SV(j), half);
             df[j] = d;
             uint32_t db = bits_of_f32(d) & 0x7fffffffu;  /* |d| as bits: an integer max reduction vectorises */
             dmax = db > dmax ? db : dmax;
@@ -220,12 +290,11 @@ INLINE float row_round(const float *x, int64_t n, const float *sv, const qtk_rtn
         uint8_t *q = (uint8_t *)qv;
         for (int64_t j = 0; j < n; j++) {
             float xi = kind == KIND_BLOCK ? round_to(x[j], half) : x[j];  /* BLOCK divides the model-dtype weight */
-            float v = round_to(xi / sv[j], half);
+            float v = round_to(xi / SV(j), half);
             v = v < -448.0f ? -448.0f : v;
             v = v > 448.0f ? 448.0f : v;
-            uint8_t c = e4m3_code(v);
-            q[j] = c;
-            float d = kind == KIND_BLOCK ? round_to(e4m3_value(c) * sv[j], half) : e4m3_value(c) * sv[j];
+            float e = e4m3_code_value(v, q + j);
+            float d = kind == KIND_BLOCK ? round_to(e * SV(j), half) : e * SV(j);
             df[j] = d;
             uint32_t db = bits_of_f32(d) & 0x7fffffffu;
             dmax = db > dmax ? db : dmax;
@@ -233,17 +302,18 @@ INLINE float row_round(const float *x, int64_t n, const float *sv, const qtk_rtn
     } else {
         uint8_t *q = (uint8_t *)qv;
         for (int64_t j = 0; j < n; j++) {
-            float v = x[j] / sv[j];
+            float v = x[j] / SV(j);
             v = v < -6.0f ? -6.0f : v;
             v = v > 6.0f ? 6.0f : v;
             uint8_t c = e2m1_code(v);
             q[j] = c;
-            float d = round_to(e2m1_value(c) * sv[j], half);
+            float d = round_to(e2m1_value(c) * SV(j), half);
             df[j] = d;
             uint32_t db = bits_of_f32(d) & 0x7fffffffu;
             dmax = db > dmax ? db : dmax;
         }
     }
+#undef SV
     return f32_of_bits(dmax);
 }
 
@@ -257,7 +327,7 @@ typedef struct {
    each row's codes, decode and error sums. sv: a row of per-element divisors. Returns the largest decoded
    magnitude, or -1 when a value or scale is not finite. */
 INLINE float tile_rows(const qtk_rtn_args *a, int64_t r0, int64_t r1, float *wf, float *df, uint32_t *tmax,
-                       float *sv, const int half, const int kind) {
+                       float *dv, float *sv, const int half, const int kind) {
     const int64_t cols = a->cols, G = a->group, ng = (cols + G - 1) / G;
     float dmax = 0.0f;
     if (r1 - r0 > 1) {  /* a tile row: every row's amax first (the rows are read twice, from cache) */
@@ -273,17 +343,13 @@ INLINE float tile_rows(const qtk_rtn_args *a, int64_t r0, int64_t r1, float *wf,
     for (int64_t r = r0; r < r1; r++) {
         load_row(a->w, a->in_dtype, r * cols, cols, wf);
         if (r == r0) {
-            for (int64_t g = 0; g < ng; g++) {
-                const int64_t n = (g + 1) * G <= cols ? G : cols - g * G;
-                uint32_t mb = r1 - r0 > 1 ? tmax[g] : amax_bits(wf + g * G, n);
-                float s = group_scale(mb, a, half, kind);
-                if (mb >= 0x7f800000u || !isfinite(s)) return -1.0f;
-                a->scale[(r0 / a->group_rows) * ng + g] = s;
-                const float d = kind == KIND_NVFP4 ? s / a->global_scale : s;  /* s / gs formed first, in float32 */
-                for (int64_t k = 0; k < n; k++) sv[g * G + k] = d;
-            }
+            if (r1 - r0 == 1) row_group_amax(wf, cols, G, tmax);
+            if (!group_scales(tmax, ng, a, a->scale + (r0 / a->group_rows) * ng, dv, half, kind)) return -1.0f;
+            if (ng > 1) fill_divisors(dv, cols, G, sv);
+            else sv[0] = dv[0];
         }
-        float m = row_round(wf, cols, sv, a, (uint8_t *)a->values + r * cols, df, half, kind);
+        uint8_t *q = (uint8_t *)a->values + r * cols;
+        float m = ng > 1 ? row_round(wf, cols, sv, 0, a, q, df, half, kind) : row_round(wf, cols, sv, 1, a, q, df, half, kind);
         dmax = m > dmax ? m : dmax;
         if (a->want_error) sq_row(df, wf, cols, a->row_e + r, a->row_w + r);
     }
@@ -291,7 +357,7 @@ INLINE float tile_rows(const qtk_rtn_args *a, int64_t r0, int64_t r1, float *wf,
 }
 
 #define TILE_CASE(H, K) \
-    if (a->half == H && a->kind == K) m = tile_rows(a, r, r1, wf, df, tmax, sv, H, K)
+    if (a->half == H && a->kind == K) m = tile_rows(a, r, r1, wf, df, tmax, dv, sv, H, K)
 
 static void *rtn_job(void *arg) {
     const job_t *job = (const job_t *)arg;
@@ -300,9 +366,10 @@ static void *rtn_job(void *arg) {
     float *wf = (float *)malloc((size_t)cols * 4), *df = (float *)malloc((size_t)cols * 4);
     float *sv = (float *)malloc((size_t)cols * 4);
     uint32_t *tmax = (uint32_t *)malloc((size_t)ng * 4);
+    float *dv = (float *)malloc((size_t)ng * 4);
     float hi = 0.0f;
     int bad = 0;
-    if (!wf || !df || !sv || !tmax) {
+    if (!wf || !df || !sv || !tmax || !dv) {
         bad = 2;
     }
     for (int64_t r = job->r0; r < job->r1 && !bad; r += a->group_rows) {
@@ -323,6 +390,7 @@ static void *rtn_job(void *arg) {
     free(df);
     free(sv);
     free(tmax);
+    free(dv);
     a->hi[job->t] = hi;
     a->bad[job->t] = bad;
     return NULL;
