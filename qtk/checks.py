@@ -295,13 +295,15 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
         if not (lo_s > 0 and hi_s < math.inf):
             bad_scale.append(m)
         v = qt.values.reshape(-1)
-        lo, hi = (int(x) for x in torch.aminmax(v)) if s.type == "int" and v.numel() else (0, 0)  # one pass, not two
-        if v.numel() > 1 and (lo == hi if s.type == "int" else _constant(v)):
+        # ints and FP4's uint8 codes: one min/max pass tells both a collapsed weight and codes off the grid
+        codes = (s.type == "int" or s.is_fp4) and not v.is_floating_point()
+        lo, hi = (int(x) for x in torch.aminmax(v)) if codes and v.numel() else (0, 0)
+        if v.numel() > 1 and (lo == hi if codes else _constant(v)):
             constant.append(f"{m}: every quantized value is {v[0].item()} (collapsed)")
         if s.type == "int" and v.numel() and (lo < s.qmin or hi > s.qmax):
             off_grid.append(f"{m} holds values {lo}..{hi}, outside int{s.num_bits}'s {s.qmin}..{s.qmax}")
-        elif s.is_fp4 and v.numel() and int(v.max()) > 15:
-            off_grid.append(f"{m} holds codes up to {int(v.max())}, outside FP4's 0..15")
+        elif s.is_fp4 and v.numel() and (hi if codes else int(v.max())) > 15:
+            off_grid.append(f"{m} holds codes up to {hi if codes else int(v.max())}, outside FP4's 0..15")
         bad_global.extend(_format_scale_problems(m, qt, global_scales))
         fp4_mx = fp4_mx or s.is_nvfp4 or s.is_mx
         if same:

@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from qtk.io.safetensors import recycled_empty
+
 
 def _per_word(bits: int) -> int:
     if 32 % bits:
@@ -73,8 +75,12 @@ def pack_ct(q: torch.Tensor, bits: int) -> torch.Tensor:
             fast = pack_nibbles(q, n_words * 4, add=offset(bits))  # one native pass on the CPU
             if fast is not None:
                 return fast.view(torch.int32).reshape(rows_, n_words)
-        u = q.view(torch.uint8) + offset(bits)  # uint8 arithmetic wraps: -8 + 8 -> 0, 7 + 8 -> 15
         pad = n_words * 4 * per - n
+        if per == 1 and not pad:  # int8: each byte + 128 (xor 0x80), into a recycled buffer (the stream's writer
+            # packs layer after layer: a fresh tensor a weight cost a page fault per 4 KiB)
+            u = torch.bitwise_xor(q.view(torch.uint8), 0x80, out=recycled_empty((rows_, n), torch.uint8))
+            return u.view(torch.int32).reshape(rows_, n_words)
+        u = q.view(torch.uint8) + offset(bits)  # uint8 arithmetic wraps: -8 + 8 -> 0, 7 + 8 -> 15
         if pad:
             u = torch.cat([u, u.new_zeros(rows_, pad)], dim=1)
         if per > 1:
@@ -98,8 +104,9 @@ def unpack_ct(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor
         return (unpack_words(packed, bits, in_features) - offset(bits)).to(torch.int8)
     per, rows = 8 // bits, packed.shape[0]
     b = packed.contiguous().view(torch.uint8).reshape(rows, -1)
-    if per == 1:
-        return (b[:, :in_features] ^ 0x80).view(torch.int8).contiguous()
+    if per == 1:  # into a recycled buffer: the self-check decodes layer after layer
+        return torch.bitwise_xor(b[:, :in_features], 0x80, out=recycled_empty((rows, in_features), torch.uint8)
+                                 ).view(torch.int8)
     if bits == 4:
         from qtk.quant.native.packing import unpack_nibbles
 

@@ -3,6 +3,7 @@ bit for bit (exhaustively for the fp8 and fp4 rounding of every bf16 and fp16 va
 float64 rounding, results independent of the thread count, and a fallback to torch whenever they cannot be
 trusted."""
 
+import contextlib
 import ctypes
 
 import pytest
@@ -282,3 +283,36 @@ def test_nibble_packing_is_the_torch_paths(torch_path, monkeypatch):
         assert torch.equal(words, pack_words((q.to(torch.int64) + 8), 4)), cols
         assert torch.equal(unpack_ct(words, 4, cols), q), cols
     assert packing.pack_nibbles(fp4.to(torch.int16), 32) is None and packing.pack_nibbles(fp4, 31) is None
+
+
+def test_e4m3_decoding_is_torchs_for_every_code():
+    """The self-check's native decode of fp8 scales gives torch's float32 for all 256 e4m3 codes, bit for bit (the
+    NaN codes 0x7f and 0xff stay NaN: a NaN scale on disk must fail the check), in any shape; other dtypes: None."""
+    from qtk.export.codecs.ct import _float
+    from qtk.quant.native.packing import e4m3_to_float
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    want = codes.float()
+    for t in (codes, codes.repeat(40).reshape(80, 128)):
+        got = e4m3_to_float(t)
+        assert got.shape == t.shape and torch.equal(got.view(torch.int32), t.float().view(torch.int32))
+    assert torch.isnan(e4m3_to_float(codes)[[0x7F, 0xFF]]).all()
+    assert torch.equal(_float(codes).view(torch.int32), want.view(torch.int32))  # what the ct codec decodes with
+    assert e4m3_to_float(want) is None and e4m3_to_float(codes.view(torch.uint8)) is None
+
+
+def test_int8_words_pack_and_unpack_as_the_torch_path():
+    """compressed-tensors' 8-bit words (each value + 128 in a byte) through the recycled-buffer path equal pack_words'
+    int32 words and unpack back, with and without the stream's buffer reuse."""
+    from qtk.io.safetensors import reusing_read_buffers
+    from qtk.quant.pack import pack_ct, pack_words, unpack_ct
+
+    g = torch.Generator().manual_seed(3)
+    for reuse in (False, True):
+        for cols in (8, 4096, 6):  # 6: not whole words, the padded path
+            q = torch.randint(-128, 128, (9, cols), generator=g, dtype=torch.int8)
+            with reusing_read_buffers(1 << 20) if reuse else contextlib.nullcontext():
+                words = pack_ct(q, 8)
+                assert torch.equal(words, pack_words(q.to(torch.int64) + 128, 8))
+                got = unpack_ct(words, 8, cols)
+                assert got.dtype == torch.int8 and torch.equal(got, q)

@@ -85,7 +85,12 @@ def encode(qt: QTensor, dtype: torch.dtype, fmt: str) -> dict[str, torch.Tensor]
 def _float(t: torch.Tensor) -> torch.Tensor:
     """t as float32, a copy in a recycled buffer (qtk.io.safetensors.recycled_empty: the self-check decodes layer
     after layer, each scale the size of the last layer's) unless it is float32 already."""
-    return t if t.dtype == torch.float32 else recycled_empty(t.shape, torch.float32).copy_(t)
+    if t.dtype == torch.float32:
+        return t
+    from qtk.quant.native.packing import e4m3_to_float
+
+    fast = e4m3_to_float(t)  # NVFP4's fp8 group scales: torch converts float8 a value at a time
+    return fast if fast is not None else recycled_empty(t.shape, torch.float32).copy_(t)
 
 
 def decode(t: Mapping[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype) -> QTensor:

@@ -478,6 +478,41 @@ void qtk_block_sums(const double *row, int64_t rows, int64_t step, double *out) 
     }
 }
 
+/* e4m3 bytes -> float32, as torch converts float8_e4m3fn: e4m3_value, and the NaN codes 0x7f / 0xff to the NaN
+ * sign | 0x7ff00000 (a NaN scale on disk must stay one). The convert self-check decodes NVFP4's group scales so. */
+typedef struct {
+    const uint8_t *src;
+    float *dst;
+    int64_t r0, r1;
+} e4m3_job_t;
+
+static void *e4m3_job(void *arg) {
+    const e4m3_job_t *j = (const e4m3_job_t *)arg;
+    for (int64_t i = j->r0; i < j->r1; i++) {
+        const uint8_t c = j->src[i];
+        const float v = e4m3_value(c);
+        j->dst[i] = (c & 0x7fu) == 0x7fu ? f32_of_bits(((uint32_t)(c & 0x80u) << 24) | 0x7ff00000u) : v;
+    }
+    return NULL;
+}
+
+static void set_e4m3(void *job, int64_t r0, int64_t r1, int t) {
+    e4m3_job_t *j = (e4m3_job_t *)job;
+    (void)t;
+    j->r0 = r0;
+    j->r1 = r1;
+}
+
+int qtk_e4m3_to_f32(const uint8_t *src, int64_t n, float *dst, int threads) {
+    e4m3_job_t jobs[64];
+    if (n < 0) return -1;
+    for (int t = 0; t < 64; t++) {
+        jobs[t].src = src;
+        jobs[t].dst = dst;
+    }
+    return split_rows(n, 4096, threads, e4m3_job, jobs, sizeof(e4m3_job_t), set_e4m3);
+}
+
 /* Two 4-bit codes per byte, low nibble first (compressed-tensors' int4 words on a little-endian host, and FP4's
  * packing). Unpacking: rows of `in_len` bytes -> rows of `out_len` codes, each minus `k` (uint8 arithmetic, wrapping:
  * 8 gives int4's signed values viewed as int8). Packing, the inverse: rows of `in_len` codes (uint8 or int8 bytes) ->

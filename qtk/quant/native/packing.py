@@ -52,3 +52,17 @@ def pack_nibbles(codes: torch.Tensor, out_bytes: int, add: int = 0):
         if used < 1:
             return None
     return out
+
+
+def e4m3_to_float(t: torch.Tensor):
+    """float8_e4m3fn t -> float32 (torch's values bit for bit, NaN included) in one threaded native pass, into a
+    recycled buffer (the self-check decodes NVFP4's group scales layer after layer: torch's conversion of them took
+    a fifth of that check); None on an accelerator, without the kernels, or for another dtype."""
+    lib = library()
+    if lib is None or t.device.type != "cpu" or t.dtype != torch.float8_e4m3fn:
+        return None
+    src = t.contiguous()
+    out = recycled_empty(tuple(src.shape), torch.float32)
+    if src.numel() and lib.qtk_e4m3_to_f32(src.data_ptr(), src.numel(), out.data_ptr(), thread_count()) < 1:
+        return None
+    return out
