@@ -457,7 +457,7 @@ def _format_scale_problems(m: str, qt, global_scales: dict[str, float]) -> list[
             global_scales[m] = g
     if qt.scheme.is_mx:
         sc = qt.scale
-        bad = ~torch.isfinite(sc) | (sc <= 0) | (torch.exp2(torch.round(torch.log2(sc))) != sc)
+        bad = torch.frexp(sc.float()).mantissa != 0.5  # a positive finite power of two (subnormal too); NaN, Inf, <= 0 fail
         if bool(bad.any()):
             out.append(f"{m}: {int(bad.sum())} E8M0 scales are NaN (code 255) or not powers of two")
     return out

@@ -47,17 +47,20 @@ def _grouped(x: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:
 
 
 def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
-    """Power-of-two scales -> E8M0 codes uint8 (127 + floor(log2 scale)), clamped to 0..254 (255 is NaN)."""
-    e = torch.floor(torch.log2(scale.float()))
-    return (e + E8M0_BIAS).clamp(0, E8M0_NAN - 1).to(torch.uint8)
+    """Power-of-two scales -> E8M0 codes uint8 (127 + floor(log2 scale)), clamped to 0..254 (255 is NaN). For a
+    positive float32 that is its exponent field (0 for a subnormal or zero, whose floor(log2) is below -126; 255 for
+    +Inf, clamped): integer passes where log2 and floor took float ones (the writer encodes every MX weight's scales)."""
+    bits = scale.float().contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF).clamp_(max=E8M0_NAN - 1).to(torch.uint8)
 
 
 def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
     """E8M0 codes uint8 -> float32 scales 2^(c − 127); 255 -> NaN."""
     if codes.dtype != torch.uint8:
         raise ValueError(f"E8M0 scales are stored as uint8, got {codes.dtype}")
-    s = torch.exp2(codes.to(torch.float32) - E8M0_BIAS)
-    return torch.where(codes == E8M0_NAN, float("nan"), s)
+    c = codes.to(torch.int32)
+    bits = torch.where(c == 0, 0x00400000, c << 23)  # 2^(c - 127) as float32 bits; 2^-127 is subnormal
+    return torch.where(c == E8M0_NAN, 0x7FC00000, bits).view(torch.float32)
 
 
 def _round_to_power_of_two(a: torch.Tensor) -> torch.Tensor:

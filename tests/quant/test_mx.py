@@ -32,6 +32,9 @@ def test_e8m0_range():
     assert math.isnan(s[255].item())  # 255 is NaN in E8M0, never a scale
     assert torch.equal(e8m0_encode(s[:255]), codes[:255])  # 0..254 round-trip: 2^-127 .. 2^127
     assert e8m0_encode(torch.tensor([2.0**-140, 2.0**200, 0.0])).tolist() == [0, 254, 0]  # clamped into range
+    x = torch.cat([torch.rand(10000) * 1000, torch.rand(1000) * 1e-38, torch.tensor([3.0, 0.75, 3e38, 2.0**-149])])
+    want = (torch.floor(torch.log2(x)) + 127).clamp(0, 254).to(torch.uint8)  # the definition, on any positive float
+    assert torch.equal(e8m0_encode(x), want) and torch.equal(e8m0_encode(x.bfloat16()), e8m0_encode(x.bfloat16().float()))
     with pytest.raises(ValueError, match="uint8"):
         e8m0_decode(torch.tensor([127]))
 
