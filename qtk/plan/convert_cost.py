@@ -15,13 +15,14 @@ over the processes; plus the Hessians' all-reduce between processes. The constan
   self-check reading every written Linear back, the write-back to the disk it overlaps) per parameter of the decoder
   layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus the 2-layer run
   over 4 layers of 218.1M parameters (medians of 3, 2 cores, page cache warm, freed memory settled;
-  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`; re-measured 2026-12-02 on a 2-core Intel
-  Xeon VM with AVX-512, after the writer's 256 KiB write() calls and native packing: 457-795 M params/s). Without the native kernels (no C
+  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`; re-measured 2026-12-03 on a 2-core Intel
+  Xeon VM with AVX-512, after the vectorised group scales and the self-check's native decodes: 399-735 M params/s, on
+  a day the same VM ran slower than on 2026-12-02, when the code before those changes measured 457-795: its floors
+  2.9-3.6 s against 2.4-2.6 s then; per-layer slopes vary by about 20 % from run to run there). Without the native kernels (no C
   compiler) the rounding runs 3-4x slower than these figures assume. CPU_PROCESS_BYTES, by weight format: the host
   memory of that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the
   64 MiB copy buffers, recycled read buffers, the packing's and the self-check's temporaries), what that format's
-  6-layer run left over in that file's peak RSS, rounded up to 10 MB (fp8's 10 MB: its run peaked within the
-  stream's own modelled bytes, the read-ahead budget not filled).
+  6-layer run left over in that file's peak RSS, rounded up to 10 MB.
 - GPU_*: NOT measured (no GPU was available): fractions of the GPU's dense bf16 peak (qtk.plan.hardware) assumed
   for calibration forwards (35 %) and GPTQ's fp32 solves (3 %: fp32 without TF32, small triangular solves);
   benchmarks/convert_gpu.py measures what they should be replaced with.
@@ -37,9 +38,9 @@ CPU_GEMM_FLOPS = 705e9
 CPU_SOLVE_FLOPS = 48e9
 CPU_READ_BPS = 1.6e9
 CPU_WRITE_BPS = 0.42e9
-CPU_STREAM_PARAMS_PER_S = {"fp8": 649.6e6, "int8": 671.3e6, "int4": 795.3e6, "nvfp4": 456.9e6, "mx": 513.0e6,
-                           "fp8-block": 591.8e6}
-CPU_PROCESS_BYTES = {"fp8": 10e6, "int8": 210e6, "int4": 230e6, "nvfp4": 200e6, "mx": 310e6, "fp8-block": 50e6}
+CPU_STREAM_PARAMS_PER_S = {"fp8": 539.3e6, "int8": 447.0e6, "int4": 734.6e6, "nvfp4": 487.0e6, "mx": 504.7e6,
+                           "fp8-block": 399.0e6}
+CPU_PROCESS_BYTES = {"fp8": 90e6, "int8": 200e6, "int4": 240e6, "nvfp4": 290e6, "mx": 280e6, "fp8-block": 90e6}
 GPU_HOST_LINK_BPS = 20e9  # host <-> GPU copies of the data-free stream (assumed: PCIe Gen4/5 x16, pageable memory)
 GPU_GEMM_EFFICIENCY = 0.35
 GPU_SOLVE_EFFICIENCY = 0.03
