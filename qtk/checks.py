@@ -302,8 +302,8 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
             constant.append(f"{m}: every quantized value is {v[0].item()} (collapsed)")
         if s.type == "int" and v.numel() and (lo < s.qmin or hi > s.qmax):
             off_grid.append(f"{m} holds values {lo}..{hi}, outside int{s.num_bits}'s {s.qmin}..{s.qmax}")
-        elif s.is_fp4 and v.numel() and (hi if codes else int(v.max())) > 15:
-            off_grid.append(f"{m} holds codes up to {hi if codes else int(v.max())}, outside FP4's 0..15")
+        elif s.is_fp4 and v.numel() and (top := hi if codes else int(v.max())) > 15:
+            off_grid.append(f"{m} holds codes up to {top}, outside FP4's 0..15")
         bad_global.extend(_format_scale_problems(m, qt, global_scales))
         fp4_mx = fp4_mx or s.is_nvfp4 or s.is_mx
         if same:

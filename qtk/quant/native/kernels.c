@@ -317,10 +317,16 @@ INLINE float row_round(const float *x, int64_t n, const float *sv, const int one
     return f32_of_bits(dmax);
 }
 
+/* The rows [r0, r1) a job covers and its index t (its slot in per-thread result arrays), set by split_rows: the
+   first member of every job struct below. */
 typedef struct {
-    const qtk_rtn_args *a;
     int64_t r0, r1;
     int t;
+} span_t;
+
+typedef struct {
+    span_t span;
+    const qtk_rtn_args *a;
 } job_t;
 
 /* Rows [r0, r1) of one tile row (group_rows rows; 1 for row-wise kinds): scales first, over the whole tile, then
@@ -372,8 +378,8 @@ static void *rtn_job(void *arg) {
     if (!wf || !df || !sv || !tmax || !dv) {
         bad = 2;
     }
-    for (int64_t r = job->r0; r < job->r1 && !bad; r += a->group_rows) {
-        const int64_t r1 = r + a->group_rows < job->r1 ? r + a->group_rows : job->r1;
+    for (int64_t r = job->span.r0; r < job->span.r1 && !bad; r += a->group_rows) {
+        const int64_t r1 = r + a->group_rows < job->span.r1 ? r + a->group_rows : job->span.r1;
         float m = -1.0f;
         TILE_CASE(DT_BF16, KIND_INT); else TILE_CASE(DT_F16, KIND_INT); else TILE_CASE(DT_F32, KIND_INT);
         else TILE_CASE(DT_BF16, KIND_FP8); else TILE_CASE(DT_F16, KIND_FP8); else TILE_CASE(DT_F32, KIND_FP8);
@@ -391,28 +397,29 @@ static void *rtn_job(void *arg) {
     free(sv);
     free(tmax);
     free(dv);
-    a->hi[job->t] = hi;
-    a->bad[job->t] = bad;
+    a->hi[job->span.t] = hi;
+    a->bad[job->span.t] = bad;
     return NULL;
 }
 
 typedef struct {
+    span_t span;
     const float *d, *ref;
-    int64_t cols, r0, r1;
+    int64_t cols;
     double *row_e, *row_w;
 } sq_job_t;
 
 static void *sq_rows_job(void *arg) {
     const sq_job_t *j = (const sq_job_t *)arg;
-    for (int64_t r = j->r0; r < j->r1; r++)
+    for (int64_t r = j->span.r0; r < j->span.r1; r++)
         sq_row(j->d + r * j->cols, j->ref + r * j->cols, j->cols, j->row_e + r, j->row_w + r);
     return NULL;
 }
 
 /* Runs fn over [0, rows) in `threads` contiguous ranges, each a whole number of `unit` rows (the calling thread
-   takes the first). Returns the number of ranges. */
-static int split_rows(int64_t rows, int64_t unit, int threads, void *(*fn)(void *), void *jobs, size_t job_size,
-                      void (*set)(void *job, int64_t r0, int64_t r1, int t)) {
+   takes the first): job t (jobs[t], job_size bytes each, a span_t first) gets range t in its span. Returns the
+   number of ranges. */
+static int split_rows(int64_t rows, int64_t unit, int threads, void *(*fn)(void *), void *jobs, size_t job_size) {
     pthread_t tid[64];
     int started[64] = {0};
     const int64_t units = (rows + unit - 1) / unit;
@@ -421,7 +428,10 @@ static int split_rows(int64_t rows, int64_t unit, int threads, void *(*fn)(void 
     if (threads > units) threads = units > 0 ? (int)units : 1;
     for (int t = 0; t < threads; t++) {
         int64_t r0 = units * t / threads * unit, r1 = units * (t + 1) / threads * unit;
-        set((char *)jobs + t * job_size, r0 < rows ? r0 : rows, r1 < rows ? r1 : rows, t);
+        span_t *span = (span_t *)((char *)jobs + t * job_size);
+        span->r0 = r0 < rows ? r0 : rows;
+        span->r1 = r1 < rows ? r1 : rows;
+        span->t = t;
     }
     for (int t = 1; t < threads; t++)
         started[t] = pthread_create(&tid[t], NULL, fn, (char *)jobs + t * job_size) == 0;
@@ -433,13 +443,6 @@ static int split_rows(int64_t rows, int64_t unit, int threads, void *(*fn)(void 
     return threads;
 }
 
-static void set_rtn(void *job, int64_t r0, int64_t r1, int t) {
-    job_t *j = (job_t *)job;
-    j->r0 = r0;
-    j->r1 = r1;
-    j->t = t;
-}
-
 /* Returns the number of threads used (hi / bad hold that many entries), or -1 on a bad argument. */
 int qtk_rtn(const qtk_rtn_args *a, int threads) {
     job_t jobs[64];
@@ -447,14 +450,7 @@ int qtk_rtn(const qtk_rtn_args *a, int threads) {
         return -1;
     if (a->kind != KIND_BLOCK && (a->group_rows != 1 || a->cols % a->group)) return -1;
     for (int t = 0; t < 64; t++) jobs[t].a = a;
-    return split_rows(a->rows, a->group_rows, threads, rtn_job, jobs, sizeof(job_t), set_rtn);
-}
-
-static void set_sq(void *job, int64_t r0, int64_t r1, int t) {
-    sq_job_t *j = (sq_job_t *)job;
-    (void)t;
-    j->r0 = r0;
-    j->r1 = r1;
+    return split_rows(a->rows, a->group_rows, threads, rtn_job, jobs, sizeof(job_t));
 }
 
 int qtk_sq_rows(const float *d, const float *ref, int64_t rows, int64_t cols, double *row_e, double *row_w,
@@ -467,7 +463,7 @@ int qtk_sq_rows(const float *d, const float *ref, int64_t rows, int64_t cols, do
         jobs[t].row_e = row_e;
         jobs[t].row_w = row_w;
     }
-    return split_rows(rows, 1, threads, sq_rows_job, jobs, sizeof(sq_job_t), set_sq);
+    return split_rows(rows, 1, threads, sq_rows_job, jobs, sizeof(sq_job_t));
 }
 
 void qtk_block_sums(const double *row, int64_t rows, int64_t step, double *out) {
@@ -481,26 +477,19 @@ void qtk_block_sums(const double *row, int64_t rows, int64_t step, double *out) 
 /* e4m3 bytes -> float32, as torch converts float8_e4m3fn: e4m3_value, and the NaN codes 0x7f / 0xff to the NaN
  * sign | 0x7ff00000 (a NaN scale on disk must stay one). The convert self-check decodes NVFP4's group scales so. */
 typedef struct {
+    span_t span;
     const uint8_t *src;
     float *dst;
-    int64_t r0, r1;
 } e4m3_job_t;
 
 static void *e4m3_job(void *arg) {
     const e4m3_job_t *j = (const e4m3_job_t *)arg;
-    for (int64_t i = j->r0; i < j->r1; i++) {
+    for (int64_t i = j->span.r0; i < j->span.r1; i++) {
         const uint8_t c = j->src[i];
         const float v = e4m3_value(c);
         j->dst[i] = (c & 0x7fu) == 0x7fu ? f32_of_bits(((uint32_t)(c & 0x80u) << 24) | 0x7ff00000u) : v;
     }
     return NULL;
-}
-
-static void set_e4m3(void *job, int64_t r0, int64_t r1, int t) {
-    e4m3_job_t *j = (e4m3_job_t *)job;
-    (void)t;
-    j->r0 = r0;
-    j->r1 = r1;
 }
 
 int qtk_e4m3_to_f32(const uint8_t *src, int64_t n, float *dst, int threads) {
@@ -510,7 +499,7 @@ int qtk_e4m3_to_f32(const uint8_t *src, int64_t n, float *dst, int threads) {
         jobs[t].src = src;
         jobs[t].dst = dst;
     }
-    return split_rows(n, 4096, threads, e4m3_job, jobs, sizeof(e4m3_job_t), set_e4m3);
+    return split_rows(n, 4096, threads, e4m3_job, jobs, sizeof(e4m3_job_t));
 }
 
 /* Two 4-bit codes per byte, low nibble first (compressed-tensors' int4 words on a little-endian host, and FP4's
@@ -519,9 +508,10 @@ int qtk_e4m3_to_f32(const uint8_t *src, int64_t n, float *dst, int threads) {
  * rows of `out_len` bytes, code 2i plus `k` in the low nibble of byte i, code 2i+1 in the high one; nibbles past
  * in_len are 0 (a row padded to whole int32 words). */
 typedef struct {
+    span_t span;
     const uint8_t *src;
     uint8_t *dst;
-    int64_t in_len, out_len, r0, r1;
+    int64_t in_len, out_len;
     uint8_t k;
     int pack;
 } nib_job_t;
@@ -529,7 +519,7 @@ typedef struct {
 static void *nibbles_job(void *arg) {
     const nib_job_t *j = (const nib_job_t *)arg;
     const uint8_t k = j->k;
-    for (int64_t r = j->r0; r < j->r1; r++) {
+    for (int64_t r = j->span.r0; r < j->span.r1; r++) {
         const uint8_t *s = j->src + r * j->in_len;
         uint8_t *d = j->dst + r * j->out_len;
         if (j->pack) {
@@ -551,29 +541,22 @@ static void *nibbles_job(void *arg) {
     return NULL;
 }
 
-static void set_nib(void *job, int64_t r0, int64_t r1, int t) {
-    nib_job_t *j = (nib_job_t *)job;
-    (void)t;
-    j->r0 = r0;
-    j->r1 = r1;
-}
-
 static int run_nibbles(nib_job_t proto, int64_t rows, int threads) {
     nib_job_t jobs[64];
     if (rows < 0) return -1;
     for (int t = 0; t < 64; t++) jobs[t] = proto;
-    return split_rows(rows, 1, threads, nibbles_job, jobs, sizeof(nib_job_t), set_nib);
+    return split_rows(rows, 1, threads, nibbles_job, jobs, sizeof(nib_job_t));
 }
 
 int qtk_unpack_nibbles(const uint8_t *src, int64_t rows, int64_t in_bytes, int64_t out_cols, uint8_t *dst, int sub,
                        int threads) {
-    nib_job_t proto = {src, dst, in_bytes, out_cols, 0, 0, (uint8_t)sub, 0};
+    nib_job_t proto = {.src = src, .dst = dst, .in_len = in_bytes, .out_len = out_cols, .k = (uint8_t)sub, .pack = 0};
     return in_bytes * 2 < out_cols ? -1 : run_nibbles(proto, rows, threads);
 }
 
 int qtk_pack_nibbles(const uint8_t *src, int64_t rows, int64_t in_cols, int64_t out_bytes, uint8_t *dst, int add,
                      int threads) {
-    nib_job_t proto = {src, dst, in_cols, out_bytes, 0, 0, (uint8_t)add, 1};
+    nib_job_t proto = {.src = src, .dst = dst, .in_len = in_cols, .out_len = out_bytes, .k = (uint8_t)add, .pack = 1};
     return out_bytes * 2 < in_cols ? -1 : run_nibbles(proto, rows, threads);
 }
 
@@ -670,9 +653,9 @@ uint32_t qtk_crc32c(const uint8_t *p, int64_t n, uint32_t crc) {
  * (exponent bits + one exponent unit), whose carry reaches the sign bit only from an all-ones exponent; returns
  * 1 all finite, 0 not, -1 for an unknown dtype. */
 typedef struct {
+    span_t span;
     const void *p;
     int dt;
-    int64_t r0, r1;
     int bad;
 } fin_job_t;
 
@@ -681,30 +664,23 @@ static void *finite_job(void *arg) {
     if (j->dt == DT_F32) {
         const uint32_t *x = (const uint32_t *)j->p;
         uint32_t acc = 0;
-        for (int64_t i = j->r0; i < j->r1; i++) acc |= (x[i] & 0x7f800000u) + 0x00800000u;
+        for (int64_t i = j->span.r0; i < j->span.r1; i++) acc |= (x[i] & 0x7f800000u) + 0x00800000u;
         j->bad = (acc & 0x80000000u) != 0;
     } else {
         const uint16_t *x = (const uint16_t *)j->p;
         const uint16_t m = j->dt == DT_BF16 ? 0x7f80u : 0x7c00u, one = j->dt == DT_BF16 ? 0x0080u : 0x0400u;
         uint16_t acc = 0;
-        for (int64_t i = j->r0; i < j->r1; i++) acc |= (uint16_t)((x[i] & m) + one);
+        for (int64_t i = j->span.r0; i < j->span.r1; i++) acc |= (uint16_t)((x[i] & m) + one);
         j->bad = (acc & 0x8000u) != 0;
     }
     return NULL;
 }
 
-static void set_fin(void *job, int64_t r0, int64_t r1, int t) {
-    fin_job_t *j = (fin_job_t *)job;
-    (void)t;
-    j->r0 = r0;
-    j->r1 = r1;
-}
-
 int qtk_all_finite(const void *p, int64_t n, int dt, int threads) {
-    fin_job_t jobs[64], proto = {p, dt, 0, 0, 0};
+    fin_job_t jobs[64], proto = {.p = p, .dt = dt};
     if (dt != DT_F32 && dt != DT_BF16 && dt != DT_F16) return -1;
     for (int t = 0; t < 64; t++) jobs[t] = proto;
-    int used = split_rows(n, 1 << 16, threads, finite_job, jobs, sizeof(fin_job_t), set_fin);
+    int used = split_rows(n, 1 << 16, threads, finite_job, jobs, sizeof(fin_job_t));
     for (int t = 0; t < used; t++)
         if (jobs[t].bad) return 0;
     return 1;
