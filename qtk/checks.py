@@ -205,7 +205,7 @@ def _kv_bounds(ck, arch, layer: int, rownorm: dict, dense_stats: dict) -> tuple[
 
 
 def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
-                     measured: dict[str, Measured] | None = None) -> CheckReport:
+                     measured: dict[str, Measured] | None = None, finite: set[str] = frozenset()) -> CheckReport:
     """Judge the checkpoint `ck` (a reader from qtk.export.open_checkpoint) from its bytes.
 
     source: the model it was converted from (qtk.model.source.ModelSource), for the per-Linear comparison; without
@@ -213,7 +213,8 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
     (default: the one qtk.json records), for the set of Linears that must be quantized. measured: module -> what the
     conversion measured of it against `source` (the convert self-check of a data-free run): a Linear whose decoded
     QTensor has the measured digest takes the measured error and range instead of re-reading the source; any other
-    is compared in full."""
+    is compared in full. finite: dense tensors whose bytes in ck's files were already scanned for NaN/Inf where they
+    lie (the convert self-check: the writer's scan of what it copied), not read again."""
     from qtk.quant.qtensor import qtensor_digest
 
     import torch
@@ -370,7 +371,7 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
                 arch is not None and name.endswith(("k_proj.weight", "v_proj.weight", "qkv_proj.weight")))
             if values:  # small tensors whose values the bounds need
                 t = as_tensor(t)
-            if not all_finite(t):
+            if name not in finite and not all_finite(t):
                 nonfinite.append(name)
                 continue
             if name.endswith("norm.weight"):

@@ -135,6 +135,7 @@ def test_a_kernel_copy_refused_goes_through_memory_and_a_disk_error_is_raised(tm
         w.add("x", src.stored("x", check=seen.append))
         w.close()
         assert torch.equal(SafetensorsFile(out / "model.safetensors").get_tensor("x"), x)
+        assert not w.checked_in_place  # the check saw the source's bytes, not the shard's
     assert len(calls) == 1 and not st._kernel_copy and sum(c.numel() for c in seen) == 2 * x.numel()
 
     monkeypatch.setattr(st, "_kernel_copy", True)
@@ -143,3 +144,36 @@ def test_a_kernel_copy_refused_goes_through_memory_and_a_disk_error_is_raised(tm
     with pytest.raises(OSError) as e:
         ShardedWriter(tmp_path / "full").add("x", src.stored("x"))
     assert e.value.errno == errno.ENOSPC
+
+
+def test_a_kernel_copy_checks_the_bytes_where_they_landed_and_says_so(tmp_path, monkeypatch):
+    """A StoredTensor copied by the kernel is shown to its check chunk by chunk mapped from the shard it landed in, at
+    its place there (a byte changed in the shard after the copy is what the check sees); the writer lists it as
+    checked in place, and nothing else: a tensor without a check, a tensor from memory, one of another shard."""
+    import qtk.io.safetensors as st
+    from qtk.io.safetensors import ShardedWriter
+
+    if not st._kernel_copy:
+        pytest.skip("this file system refuses copy_file_range")
+    x = torch.arange(3000, dtype=torch.int16).reshape(100, 30)
+    save_file({"x": x, "y": x + 1}, str(tmp_path / "src.safetensors"))
+    src = SafetensorsFile(tmp_path / "src.safetensors")
+    monkeypatch.setattr(st, "COPY_CHUNK", 1000, raising=False)
+    seen = []
+    w = ShardedWriter(tmp_path, max_shard_bytes=7000)
+    w.add("m", torch.ones(3))
+    real_copy = os.copy_file_range
+
+    def copy_then_change(fd_in, fd_out, n, off_in, off_out):  # the shard's bytes differ from the source's
+        k = real_copy(fd_in, fd_out, n, off_in, off_out)
+        os.pwrite(fd_out, b"\x07\x00", off_out)
+        return k
+
+    monkeypatch.setattr(os, "copy_file_range", copy_then_change)
+    w.add("x", src.stored("x", check=lambda c: seen.append(c.clone())))
+    w.add("y", src.stored("y"))  # no check; and a new shard (7000 bytes each)
+    assert w.checked_in_place == {"x"} and len(w.shards) == 2
+    assert len(seen) == 6 and all(int(c[0]) == 7 for c in seen)
+    w.close()
+    got = SafetensorsFile(next(tmp_path.glob("model-00001-*.safetensors"))).get_tensor("x").reshape(-1)
+    assert torch.equal(torch.cat(seen), got)

@@ -243,7 +243,7 @@ class ConvertJob:
             self.stage(f"checking {t}")
             with reusing_read_buffers(idle), mapped_reads():
                 rep = check_checkpoint(open_checkpoint(w.dir), source=self.source, recipe=self.recipe,
-                                       measured=self.measured)
+                                       measured=self.measured, finite=w.checked_in_place())
             if not rep.ok:
                 raise CheckFailed(f"post-conversion check of the {t} output failed: {'; '.join(rep.failures()[:2])}",
                                   "nothing was written; report this with the model config and recipe")

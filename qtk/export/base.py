@@ -113,6 +113,13 @@ class Writer:
     def add_layer(self, result) -> None:
         raise NotImplementedError
 
+    def checked_in_place(self) -> set[str]:
+        """Dense tensors whose check (qtk.pipeline.loop.write_non_layer's NaN/Inf scan) saw their bytes where they
+        lie in this output's files: copied by the kernel as stored, then scanned mapped from the shard
+        (qtk.io.safetensors.ShardedWriter.checked_in_place). The convert self-check does not scan them again."""
+        shards = getattr(self, "shards", None)  # the writers of one set of shards; TensorRT-LLM's re-lays them out
+        return shards.checked_in_place if shards is not None else set()
+
     def finish(self, manifest: dict) -> None:
         raise NotImplementedError
 

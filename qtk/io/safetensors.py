@@ -170,6 +170,7 @@ class _Shard:
         self.path = path
         self.reserve = reserve  # bytes for the 8-byte length + JSON header
         self.entries: dict[str, dict] = {}
+        self.checked_in_place: set[str] = set()  # StoredTensors whose check saw their bytes here, after the copy
         self.size = 0
         self.metadata = metadata
         self.header_len = len(json.dumps({"__metadata__": metadata}, separators=(",", ":")))
@@ -190,7 +191,10 @@ class _Shard:
             raise TypeError(f"safetensors cannot store dtype {t.dtype} ({name})")
         n = t.numel() * t.element_size()
         if isinstance(t, StoredTensor):  # its bytes as stored: by the kernel, else chunk by chunk through memory
-            if not t.copy_into(self.f, self.reserve + self.size):
+            if t.copy_into(self.f, self.reserve + self.size):
+                if t.check is not None:  # copy_into showed the check every byte where it landed in this file
+                    self.checked_in_place.add(name)
+            else:
                 for chunk in t.chunks():
                     write_pieces(self.f, chunk.view(torch.uint8).numpy().data)
         else:
@@ -242,6 +246,12 @@ class ShardedWriter:
             cur = self._new_shard()
         cur.add(name, t)
         self.total_size += n
+
+    @property
+    def checked_in_place(self) -> set[str]:
+        """Tensors added as StoredTensors with a check that saw their bytes in the shard, where they lie (copied by
+        the kernel, then mapped from the output): what a scan of the written files would read."""
+        return set().union(*(s.checked_in_place for s in self.shards))
 
     def close(self) -> dict[str, str]:
         """Finish every shard; returns the weight map (tensor name -> file name)."""
