@@ -457,10 +457,14 @@ def _format_scale_problems(m: str, qt, global_scales: dict[str, float]) -> list[
         else:
             global_scales[m] = g
     if qt.scheme.is_mx:
-        sc = qt.scale
-        bad = torch.frexp(sc.float()).mantissa != 0.5  # a positive finite power of two (subnormal too); NaN, Inf, <= 0 fail
-        if bool(bad.any()):
-            out.append(f"{m}: {int(bad.sum())} E8M0 scales are NaN (code 255) or not powers of two")
+        from qtk.quant.native.scan import count_not_pow2
+
+        sc = qt.scale.float()
+        n_bad = count_not_pow2(sc)
+        if n_bad is None:  # a positive finite power of two (subnormal too) has mantissa 0.5; NaN, Inf, <= 0 fail
+            n_bad = int((torch.frexp(sc).mantissa != 0.5).sum())
+        if n_bad:
+            out.append(f"{m}: {n_bad} E8M0 scales are NaN (code 255) or not powers of two")
     return out
 
 

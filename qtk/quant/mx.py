@@ -22,6 +22,8 @@ of the blocks (and from the plain OCP rule's in ~40 %).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qtk.quant.fp4 import FP4_MAX, fp4_decode, fp4_encode
@@ -55,12 +57,30 @@ def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E8M0 codes uint8 -> float32 scales 2^(c − 127); 255 -> NaN."""
+    """E8M0 codes uint8 -> float32 scales 2^(c − 127); 255 -> NaN (the definition, in torch: the reference
+    quantizer's, which the native kernels' self-test runs)."""
     if codes.dtype != torch.uint8:
         raise ValueError(f"E8M0 scales are stored as uint8, got {codes.dtype}")
     c = codes.to(torch.int32)
     bits = torch.where(c == 0, 0x00400000, c << 23)  # 2^(c - 127) as float32 bits; 2^-127 is subnormal
     return torch.where(c == E8M0_NAN, 0x7FC00000, bits).view(torch.float32)
+
+
+def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """e8m0_decode through the native byte table (each code's value made by e8m0_decode) where the kernels apply,
+    into a recycled buffer: what a reader of stored MX scales decodes with (the convert self-check decodes every MX
+    weight's; torch's integer passes took a tenth of that check)."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"E8M0 scales are stored as uint8, got {codes.dtype}")
+    from qtk.quant.native.packing import bytes_to_float
+
+    fast = bytes_to_float(codes, _e8m0_table())
+    return fast if fast is not None else e8m0_decode(codes)
+
+
+@functools.cache
+def _e8m0_table() -> torch.Tensor:
+    return e8m0_decode(torch.arange(256, dtype=torch.uint8))
 
 
 def _round_to_power_of_two(a: torch.Tensor) -> torch.Tensor:

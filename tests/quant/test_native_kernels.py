@@ -229,6 +229,19 @@ def test_the_kernels_can_be_turned_off_and_a_missing_compiler_falls_back(fresh_l
     assert not list((native.cache_dir()).glob("*.so"))
 
 
+def test_the_self_test_compares_with_torch_alone_and_loads_once(fresh_library, monkeypatch):
+    """The torch reference the self-test runs reaches code that takes the kernels where they apply (MX scales
+    decode through a byte table): inside the self-test library() is None, so the kernels load once and are compared
+    with torch, not with themselves (a re-entered load recursed until Python's limit, then fell back)."""
+    calls, real = [], native._checked_library
+    monkeypatch.setattr(native, "_checked_library", lambda: (calls.append(1), real())[1])
+    seen = []
+    real_test = rounding.self_test
+    monkeypatch.setattr(rounding, "self_test", lambda lib: (seen.append(native.library()), real_test(lib))[1])
+    assert native.library() is not None and len(calls) == 1
+    assert seen == [None] and native.library() is not None and len(calls) == 1
+
+
 def test_a_build_lands_in_the_cache_once(fresh_library, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     lib = native.library()
@@ -299,6 +312,45 @@ def test_e4m3_decoding_is_torchs_for_every_code():
     assert torch.isnan(e4m3_to_float(codes)[[0x7F, 0xFF]]).all()
     assert torch.equal(_float(codes).view(torch.int32), want.view(torch.int32))  # what the ct codec decodes with
     assert e4m3_to_float(want) is None and e4m3_to_float(codes.view(torch.uint8)) is None
+
+
+def test_e8m0_decoding_through_the_byte_table_is_the_definition_for_every_code():
+    """MX scales decoded by the native byte table are the definition's float32 for all 256 E8M0 codes, bit for bit
+    (255 stays NaN, 0 is the subnormal 2^-127), in any shape; codes that are not uint8 or a table that is not float32
+    [256] are refused."""
+    from qtk.quant import mx
+    from qtk.quant.native.packing import bytes_to_float
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = mx.e8m0_decode(codes).view(torch.int32)
+    assert int(want[0]) == 0x00400000 and int(want[127]) == 0x3F800000 and torch.isnan(want.view(torch.float32)[255])
+    for t in (codes, codes.flip(0).repeat(40).reshape(80, 128)):
+        got = mx.e8m0_to_float(t)
+        assert got.shape == t.shape and torch.equal(got.view(torch.int32), mx.e8m0_decode(t).view(torch.int32))
+    table = torch.randn(256)
+    assert torch.equal(bytes_to_float(codes.flip(0), table), table.flip(0))
+    assert bytes_to_float(codes.view(torch.int8), table) is None
+    with pytest.raises(ValueError, match="float32"):
+        bytes_to_float(codes, table.double())
+
+
+def test_the_power_of_two_count_is_frexps_on_every_exponent_and_edge():
+    """count_not_pow2 (the self-check's test of MX scales) agrees with frexp's mantissa == 0.5 on every exponent
+    field with no, one and several mantissa bits, both signs, zero, Inf and NaN, and subnormals with one or two
+    bits; counted over threads and odd lengths."""
+    from qtk.quant.native.scan import count_not_pow2
+
+    e = torch.arange(256, dtype=torch.int64) << 23
+    mant = torch.tensor([0, 1, 1 << 22, 3, (1 << 23) - 1, 1 << 10, (1 << 10) | 1], dtype=torch.int64)
+    bits = (e[:, None] | mant[None, :]).reshape(-1)
+    bits = torch.cat([bits, bits | (1 << 31)]).to(torch.int32)  # int64 -> int32 wraps the sign bit in
+    x = bits.view(torch.float32)
+    want = int((torch.frexp(x).mantissa != 0.5).sum())
+    assert count_not_pow2(x) == want and 0 < want < x.numel()
+    big = x.repeat(300)[: 300 * x.numel() - 7]  # more than one thread's range, not a multiple of the split
+    assert count_not_pow2(big) == int((torch.frexp(big).mantissa != 0.5).sum())
+    assert count_not_pow2(torch.tensor([2.0**-140, 2.0**-127, 1.0, 2.0**127])) == 0
+    assert count_not_pow2(x.double()) is None
 
 
 def test_int8_words_pack_and_unpack_as_the_torch_path():

@@ -27,7 +27,7 @@ import torch
 from qtk.io.safetensors import recycled_empty
 from qtk.quant.fp4 import pack_fp4, unpack_fp4
 from qtk.quant.formats.nvfp4 import GLOBAL
-from qtk.quant.mx import e8m0_decode, e8m0_encode
+from qtk.quant.mx import e8m0_encode, e8m0_to_float
 from qtk.quant.pack import pack_ct, pack_ct_zero_point, unpack_ct, unpack_ct_zero_point
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme
@@ -101,7 +101,7 @@ def decode(t: Mapping[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtyp
                        extra={GLOBAL: t["weight_global_scale"].float().reshape(1)})
     if scheme.is_mx:
         values = unpack_fp4(t["weight_packed"]) if scheme.num_bits == 4 else t["weight"]
-        return QTensor(values, e8m0_decode(t["weight_scale"]), scheme, dtype=dtype)
+        return QTensor(values, e8m0_to_float(t["weight_scale"]), scheme, dtype=dtype)
     scale = _float(t["weight_scale"])
     zero = None
     if "weight_packed" in t:

@@ -111,15 +111,34 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.qtk_all_finite.restype = ctypes.c_int
     lib.qtk_e4m3_to_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.qtk_e4m3_to_f32.restype = ctypes.c_int
+    lib.qtk_lut8_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.qtk_lut8_f32.restype = ctypes.c_int
+    lib.qtk_count_not_pow2.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.qtk_count_not_pow2.restype = ctypes.c_int64
     return lib
+
+
+_loading = False  # library() is building or self-testing the kernels
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (the torch path) when they are turned off, cannot be built, or disagree with
-    torch on the self-test (qtk.quant.native.rounding.self_test)."""
-    if os.environ.get("QTK_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
+    torch on the self-test (qtk.quant.native.rounding.self_test). Inside that self-test it is None: the torch
+    reference the kernels are compared with must not reach them (nor build them again, a call at a time)."""
+    global _loading
+    if _loading or os.environ.get("QTK_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
         return None
+    _loading = True
+    try:
+        lib = _checked_library()
+    finally:
+        _loading = False
+    library.cache_clear()  # a call from inside the self-test cached None
+    return lib
+
+
+def _checked_library() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         log.info("native kernels off: no C compiler (%s) on PATH; using torch", cc)

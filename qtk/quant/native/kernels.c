@@ -502,6 +502,59 @@ int qtk_e4m3_to_f32(const uint8_t *src, int64_t n, float *dst, int threads) {
     return split_rows(n, 4096, threads, e4m3_job, jobs, sizeof(e4m3_job_t));
 }
 
+/* Bytes -> float32 through a 256-entry table: a one-byte format's every value, made by its definition on the Python
+ * side (the E8M0 scales of MX weights, which the convert self-check decodes layer after layer). */
+typedef struct {
+    span_t span;
+    const uint8_t *src;
+    const float *lut;
+    float *dst;
+} lut8_job_t;
+
+static void *lut8_job(void *arg) {
+    const lut8_job_t *j = (const lut8_job_t *)arg;
+    for (int64_t i = j->span.r0; i < j->span.r1; i++) j->dst[i] = j->lut[j->src[i]];
+    return NULL;
+}
+
+int qtk_lut8_f32(const uint8_t *src, int64_t n, const float *lut, float *dst, int threads) {
+    lut8_job_t jobs[64], proto = {.src = src, .lut = lut, .dst = dst};
+    if (n < 0) return -1;
+    for (int t = 0; t < 64; t++) jobs[t] = proto;
+    return split_rows(n, 4096, threads, lut8_job, jobs, sizeof(lut8_job_t));
+}
+
+/* How many float32 values are not positive finite powers of two: a normal one has exponent 1..254 and no mantissa
+ * bit, a subnormal one exactly one mantissa bit; zero, negatives, Inf and NaN count. (u >> 23 keeps the sign bit
+ * above the exponent, so a negative value falls outside both cases.) */
+typedef struct {
+    span_t span;
+    const uint32_t *p;
+    int64_t bad;
+} pow2_job_t;
+
+static void *pow2_job(void *arg) {
+    pow2_job_t *j = (pow2_job_t *)arg;
+    int64_t bad = 0;
+    for (int64_t i = j->span.r0; i < j->span.r1; i++) {
+        const uint32_t u = j->p[i], e = u >> 23, m = u & 0x7fffffu;
+        const int normal = (e - 1u < 254u) & (m == 0), subnormal = (e == 0) & (m != 0) & ((m & (m - 1u)) == 0);
+        bad += !(normal | subnormal);
+    }
+    j->bad = bad;
+    return NULL;
+}
+
+int64_t qtk_count_not_pow2(const float *p, int64_t n, int threads) {
+    pow2_job_t jobs[64], proto = {.p = (const uint32_t *)p};
+    if (n < 0) return -1;
+    for (int t = 0; t < 64; t++) jobs[t] = proto;
+    const int used = split_rows(n, 1 << 16, threads, pow2_job, jobs, sizeof(pow2_job_t));
+    int64_t bad = 0;
+    for (int t = 0; t < used; t++) bad += jobs[t].bad;
+    return bad;
+}
+
 /* Two 4-bit codes per byte, low nibble first (compressed-tensors' int4 words on a little-endian host, and FP4's
  * packing). Unpacking: rows of `in_len` bytes -> rows of `out_len` codes, each minus `k` (uint8 arithmetic, wrapping:
  * 8 gives int4's signed values viewed as int8). Packing, the inverse: rows of `in_len` codes (uint8 or int8 bytes) ->

@@ -66,3 +66,20 @@ def e4m3_to_float(t: torch.Tensor):
     if src.numel() and lib.qtk_e4m3_to_f32(src.data_ptr(), src.numel(), out.data_ptr(), thread_count()) < 1:
         return None
     return out
+
+
+def bytes_to_float(codes: torch.Tensor, table: torch.Tensor):
+    """uint8 codes -> float32 table[codes] (table: float32 [256], every code's value by the format's definition) in
+    one threaded native pass, into a recycled buffer (the self-check decodes every MX weight's E8M0 scales: torch's
+    integer passes took a tenth of that check); None on an accelerator, without the kernels, or for codes that are
+    not uint8."""
+    lib = library()
+    if lib is None or codes.device.type != "cpu" or codes.dtype != torch.uint8:
+        return None
+    if table.dtype != torch.float32 or table.shape != (256,):
+        raise ValueError(f"a byte table is float32 [256], got {table.dtype} {list(table.shape)}")
+    src, lut = codes.contiguous(), table.contiguous()
+    out = recycled_empty(tuple(src.shape), torch.float32)
+    if src.numel() and lib.qtk_lut8_f32(src.data_ptr(), src.numel(), lut.data_ptr(), out.data_ptr(), thread_count()) < 1:
+        return None
+    return out

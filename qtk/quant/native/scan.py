@@ -1,6 +1,7 @@
 """Python side of kernels.c's whole-buffer scans, at memory speed: CRC-32C of bytes (the QTensor digest the data-free
 stream takes of each Linear and the self-check takes again of the bytes it reads back) and the NaN/Inf scan of a
-float tensor (every source tensor as it is read, every dense tensor the self-check reads). None where the kernels do
+float tensor (every source tensor as it is read, every dense tensor the self-check reads), and the count of
+float32 values that are not powers of two (MX scales in the self-check). None where the kernels do
 not apply (turned off, not built, an accelerator tensor, another dtype): the caller's torch or zlib path."""
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def all_finite(t: torch.Tensor) -> bool | None:
         return True
     got = lib.qtk_all_finite(t.data_ptr(), t.numel(), _DT[t.dtype], thread_count())
     return None if got < 0 else bool(got)
+
+
+def count_not_pow2(t: torch.Tensor) -> int | None:
+    """How many values of a float32 CPU tensor are not positive finite powers of two (subnormal ones included; zero,
+    negatives, Inf and NaN counted), in one pass over its bits; None where the kernels do not apply."""
+    lib = library()
+    if lib is None or t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    t = t.contiguous()
+    return int(lib.qtk_count_not_pow2(t.data_ptr(), t.numel(), thread_count())) if t.numel() else 0
 
 
 def self_test(lib) -> str | None:
