@@ -113,6 +113,11 @@ class Writer:
     def add_layer(self, result) -> None:
         raise NotImplementedError
 
+    def open_files(self) -> list:
+        """The files this writer is still writing, to be written back while it goes on (qtk.io.atomic.WriteBack)."""
+        shards = getattr(self, "shards", None)
+        return shards.open_files() if shards is not None else []
+
     def checked_in_place(self) -> set[str]:
         """Dense tensors whose check (qtk.pipeline.loop.write_non_layer's NaN/Inf scan) saw their bytes where they
         lie in this output's files: copied by the kernel as stored, then scanned mapped from the shard

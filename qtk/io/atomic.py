@@ -51,6 +51,68 @@ class BackgroundFlush:
             raise e
 
 
+class WriteBack:
+    """Files still being written, written back to disk as they grow: request(files) has a background thread
+    fdatasync them (each a dup of its descriptor, so a file closed meanwhile is still the one flushed), one request
+    at a time, a newer one replacing one not yet started. The data-free stream asks after every layer, so the disk
+    writes layer i back while layer i+1 rounds: left to the kernel, a 6-layer Llama-3-8B output (3.4 GB) stayed
+    dirty until the final fsync (the flush thresholds are a tenth of memory and 30 s), which then waited for all of
+    it, and dirtying past the thresholds throttled the writing thread itself. close() raises what a flush raised
+    (EIO, ENOSPC: the fsync that meets an error reports it once, so it is kept here for the caller).
+    Durability is not this class's job: the caller still fsyncs every file before publishing it."""
+
+    def __init__(self):
+        self.error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._next: list[int] | None = None  # dup'd descriptors waiting for the thread
+        self._closed = False
+        self.thread = threading.Thread(target=self._run, name="qtk-writeback", daemon=True)
+        self.thread.start()
+
+    def request(self, files) -> None:
+        """Write back what `files` (open file objects) hold so far."""
+        fds = [os.dup(f.fileno()) for f in files if not f.closed]
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("WriteBack is closed")
+            stale, self._next = self._next, fds
+            self._cv.notify()
+        for fd in stale or ():
+            os.close(fd)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._next is None and not self._closed:
+                    self._cv.wait()
+                if self._next is None:
+                    return
+                fds, self._next = self._next, None
+            try:
+                for fd in fds:
+                    if self.error is None:
+                        os.fdatasync(fd)
+            except BaseException as e:  # noqa: BLE001 (handed to close(), in the caller's thread)
+                self.error = e
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def close(self) -> None:
+        """Wait for the flush in progress, drop one not started (the caller's final fsync writes that back, beside
+        its next work); raise what a flush raised."""
+        with self._cv:
+            self._closed = True
+            stale, self._next = self._next, None
+            self._cv.notify_all()
+        for fd in stale or ():
+            os.close(fd)
+        self.thread.join()
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+
 def write_text(p: Path, text: str) -> str:
     """Write `text` to `p`, flushed to disk; returns the sha256 of the bytes written."""
     data = text.encode()

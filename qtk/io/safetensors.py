@@ -247,6 +247,10 @@ class ShardedWriter:
         cur.add(name, t)
         self.total_size += n
 
+    def open_files(self) -> list:
+        """The shard still being written (for qtk.io.atomic.WriteBack), if any."""
+        return [s.f for s in self.shards if not s.f.closed]
+
     @property
     def checked_in_place(self) -> set[str]:
         """Tensors added as StoredTensors with a check that saw their bytes in the shard, where they lie (copied by

@@ -14,6 +14,7 @@ import torch
 
 from qtk import interrupts
 from qtk.errors import UsageError
+from qtk.io.atomic import WriteBack
 from qtk.model.moe import moe_blocks, report_starved_experts
 from qtk.model.simulate import QLinear, engine_weight, set_kv_hook, use_qtk_attention
 from qtk.pipeline.capture import capture_layer_inputs
@@ -342,12 +343,21 @@ class WriteBehind:
     """Layer i handed to the sinks (and saved to the resume state) in a background thread while layer i+1
     computes. One write in flight at a time and one thread, so every sink sees the layers in order, exactly as a
     synchronous loop hands them; a failed write is raised at the next put or at the end. On any failure of the loop
-    the write in flight finishes first (a Ctrl-C leaves the resume state at the last layer handed over)."""
+    the write in flight finishes first (a Ctrl-C leaves the resume state at the last layer handed over). What the
+    writers wrote is written back to disk while the next layer computes (qtk.io.atomic.WriteBack)."""
 
     def __init__(self, sinks: list, resume, enabled: bool = True):
         self.sinks, self.resume = sinks, resume
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="qtk-write") if enabled else None
         self.pending: Future | None = None
+        # what was written goes to disk while the next layer computes (qtk.io.atomic.WriteBack), not all at the end
+        self.writeback = WriteBack() if enabled else None
+
+    def _then_write_back(self, fn: Callable, *args) -> None:
+        fn(*args)
+        files = [f for s in self.sinks for f in (s.open_files() if hasattr(s, "open_files") else ())]
+        if files:
+            self.writeback.request(files)
 
     def _write(self, result: LayerResult, hidden) -> None:
         for s in self.sinks:
@@ -365,7 +375,7 @@ class WriteBehind:
         if self.pool is None:
             fn(*args)
         else:
-            self.pending = self.pool.submit(fn, *args)
+            self.pending = self.pool.submit(self._then_write_back, fn, *args)
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -385,3 +395,8 @@ class WriteBehind:
         finally:
             if self.pool is not None:
                 self.pool.shutdown(wait=True)
+                try:
+                    self.writeback.close()  # a disk error of an early flush ends the run (the final fsync misses it)
+                except BaseException:
+                    if exc_type is None:
+                        raise

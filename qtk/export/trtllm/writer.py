@@ -96,6 +96,9 @@ class TRTLLMWriter(Writer):
         for rank, piece in zip(self.stage_ranks(stage), pad_vocab(t, self.tp).tensor_split(self.tp, dim=0)):
             self.ranks[rank].add(name, piece.contiguous())
 
+    def open_files(self) -> list:
+        return [f for w in self.ranks for f in w.open_files()]
+
     def add_dense(self, name: str, tensor: torch.Tensor) -> None:
         a, last = self.arch, self.pp - 1
         if name in (f"{a.embed}.weight", f"{a.lm_head}.weight"):  # padded and split across ranks: read whole
