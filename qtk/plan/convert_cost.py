@@ -15,10 +15,10 @@ over the processes; plus the Hessians' all-reduce between processes. The constan
   self-check reading every written Linear back, the write-back to the disk it overlaps) per parameter of the decoder
   layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus the 2-layer run
   over 4 layers of 218.1M parameters (medians of 3, 2 cores, page cache warm, freed memory settled;
-  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`; re-measured 2026-12-03 on a 2-core Intel
-  Xeon VM with AVX-512, after the vectorised group scales and the self-check's native decodes: 399-735 M params/s, on
-  a day the same VM ran slower than on 2026-12-02, when the code before those changes measured 457-795: its floors
-  2.9-3.6 s against 2.4-2.6 s then; per-layer slopes vary by about 20 % from run to run there). Without the native kernels (no C
+  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`; re-measured 2026-12-03 (afternoon) on a
+  2-core Intel Xeon VM with AVX-512, after early write-back and the self-check's skipped rescans: 223-768 M params/s;
+  the morning run of the code before measured 399-735. Per-layer slopes vary by 20-50 % from run to run on that VM
+  (w8a16's 223 is one slow 6-layer median; its other runs gave 2x that). Without the native kernels (no C
   compiler) the rounding runs 3-4x slower than these figures assume. CPU_PROCESS_BYTES, by weight format: the host
   memory of that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the
   64 MiB copy buffers, recycled read buffers, the packing's and the self-check's temporaries), what that format's
@@ -38,9 +38,9 @@ CPU_GEMM_FLOPS = 705e9
 CPU_SOLVE_FLOPS = 48e9
 CPU_READ_BPS = 1.6e9
 CPU_WRITE_BPS = 0.42e9
-CPU_STREAM_PARAMS_PER_S = {"fp8": 539.3e6, "int8": 447.0e6, "int4": 734.6e6, "nvfp4": 487.0e6, "mx": 504.7e6,
-                           "fp8-block": 399.0e6}
-CPU_PROCESS_BYTES = {"fp8": 90e6, "int8": 200e6, "int4": 240e6, "nvfp4": 290e6, "mx": 280e6, "fp8-block": 90e6}
+CPU_STREAM_PARAMS_PER_S = {"fp8": 415.7e6, "int8": 223.3e6, "int4": 768.4e6, "nvfp4": 620.0e6, "mx": 706.5e6,
+                           "fp8-block": 375.9e6}
+CPU_PROCESS_BYTES = {"fp8": 190e6, "int8": 260e6, "int4": 230e6, "nvfp4": 280e6, "mx": 350e6, "fp8-block": 140e6}
 GPU_HOST_LINK_BPS = 20e9  # host <-> GPU copies of the data-free stream (assumed: PCIe Gen4/5 x16, pageable memory)
 GPU_GEMM_EFFICIENCY = 0.35
 GPU_SOLVE_EFFICIENCY = 0.03
