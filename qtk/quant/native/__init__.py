@@ -109,8 +109,6 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.qtk_crc32c.restype = ctypes.c_uint32
     lib.qtk_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.qtk_all_finite.restype = ctypes.c_int
-    lib.qtk_e4m3_to_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.qtk_e4m3_to_f32.restype = ctypes.c_int
     lib.qtk_lut8_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.qtk_lut8_f32.restype = ctypes.c_int
     lib.qtk_count_not_pow2.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]

@@ -112,23 +112,9 @@ static void load_row(const void *w, int dt, int64_t off, int64_t n, float *out) 
     }
 }
 
-/* e4m3 code of x, |x| <= 448 (clamped before): nearest even; below 2^-6 in units of 2^-9 (subnormals). */
-INLINE uint8_t e4m3_code(float x) {
-    uint32_t u = bits_of_f32(x);
-    uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
-    uint32_t sub = (uint32_t)round_even_small(f32_of_bits(a < 0x3c800000u ? a : 0u) * 512.0f);
-    return (uint8_t)(sign | (a >= 0x3c800000u ? normal : sub));
-}
-
-INLINE float e4m3_value(uint8_t c) {
-    uint32_t e = (c >> 3) & 15u, m = c & 7u;
-    float mag = e ? f32_of_bits(((e + 120u) << 23) | (m << 20)) : (float)m * (1.0f / 512.0f);
-    return (c & 0x80u) ? -mag : mag;
-}
-
-/* x rounded to the nearest e4m3 value, |x| <= 448: e4m3_value(e4m3_code(x)) in float bits alone, with no byte in
-   between (the group loop of NVFP4's scales vectorises with it, not with the pair) */
+/* x rounded to the nearest e4m3 value, |x| <= 448 (clamped before; nearest even, below 2^-6 in units of 2^-9, the
+   subnormals), in float bits alone, with no code byte in between (the group loop of NVFP4's scales vectorises with
+   it, not with e4m3_code_value) */
 INLINE float e4m3_round(float x) {
     uint32_t u = bits_of_f32(x), sign = u & 0x80000000u, a = u & 0x7fffffffu;
     uint32_t normal = (a + 0x7ffffu + ((a >> 20) & 1u)) & 0xfff00000u;
@@ -136,7 +122,8 @@ INLINE float e4m3_round(float x) {
     return f32_of_bits(sign | (a >= 0x3c800000u ? normal : bits_of_f32(sub)));
 }
 
-/* e4m3 code of x and its value (e4m3_value(e4m3_code(x))) from one rounding, |x| <= 448 */
+/* e4m3 code of x and its value (e4m3_round(x)) from one rounding, |x| <= 448: sign bit 7, exponent bits 3-6 (bias 7),
+   mantissa bits 0-2 */
 INLINE float e4m3_code_value(float x, uint8_t *code) {
     uint32_t u = bits_of_f32(x), sign = u & 0x80000000u, a = u & 0x7fffffffu;
     uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
@@ -474,36 +461,8 @@ void qtk_block_sums(const double *row, int64_t rows, int64_t step, double *out) 
     }
 }
 
-/* e4m3 bytes -> float32, as torch converts float8_e4m3fn: e4m3_value, and the NaN codes 0x7f / 0xff to the NaN
- * sign | 0x7ff00000 (a NaN scale on disk must stay one). The convert self-check decodes NVFP4's group scales so. */
-typedef struct {
-    span_t span;
-    const uint8_t *src;
-    float *dst;
-} e4m3_job_t;
-
-static void *e4m3_job(void *arg) {
-    const e4m3_job_t *j = (const e4m3_job_t *)arg;
-    for (int64_t i = j->span.r0; i < j->span.r1; i++) {
-        const uint8_t c = j->src[i];
-        const float v = e4m3_value(c);
-        j->dst[i] = (c & 0x7fu) == 0x7fu ? f32_of_bits(((uint32_t)(c & 0x80u) << 24) | 0x7ff00000u) : v;
-    }
-    return NULL;
-}
-
-int qtk_e4m3_to_f32(const uint8_t *src, int64_t n, float *dst, int threads) {
-    e4m3_job_t jobs[64];
-    if (n < 0) return -1;
-    for (int t = 0; t < 64; t++) {
-        jobs[t].src = src;
-        jobs[t].dst = dst;
-    }
-    return split_rows(n, 4096, threads, e4m3_job, jobs, sizeof(e4m3_job_t));
-}
-
 /* Bytes -> float32 through a 256-entry table: a one-byte format's every value, made by its definition on the Python
- * side (the E8M0 scales of MX weights, which the convert self-check decodes layer after layer). */
+ * side (NVFP4's fp8 and MX's E8M0 group scales, which the convert self-check decodes layer after layer). */
 typedef struct {
     span_t span;
     const uint8_t *src;

@@ -6,6 +6,7 @@ path)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -55,24 +56,24 @@ def pack_nibbles(codes: torch.Tensor, out_bytes: int, add: int = 0):
 
 
 def e4m3_to_float(t: torch.Tensor):
-    """float8_e4m3fn t -> float32 (torch's values bit for bit, NaN included) in one threaded native pass, into a
-    recycled buffer (the self-check decodes NVFP4's group scales layer after layer: torch's conversion of them took
-    a fifth of that check); None on an accelerator, without the kernels, or for another dtype."""
-    lib = library()
-    if lib is None or t.device.type != "cpu" or t.dtype != torch.float8_e4m3fn:
+    """float8_e4m3fn t -> float32 (torch's values bit for bit, NaN included: the byte table is torch's conversion of
+    all 256 codes) in one threaded native pass, into a recycled buffer (the self-check decodes NVFP4's group scales
+    layer after layer: torch's conversion of them took a fifth of that check); None on an accelerator, without the
+    kernels, or for another dtype."""
+    if t.dtype != torch.float8_e4m3fn:
         return None
-    src = t.contiguous()
-    out = recycled_empty(tuple(src.shape), torch.float32)
-    if src.numel() and lib.qtk_e4m3_to_f32(src.data_ptr(), src.numel(), out.data_ptr(), thread_count()) < 1:
-        return None
-    return out
+    return bytes_to_float(t.view(torch.uint8), _e4m3_table())
+
+
+@functools.cache
+def _e4m3_table() -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def bytes_to_float(codes: torch.Tensor, table: torch.Tensor):
     """uint8 codes -> float32 table[codes] (table: float32 [256], every code's value by the format's definition) in
-    one threaded native pass, into a recycled buffer (the self-check decodes every MX weight's E8M0 scales: torch's
-    integer passes took a tenth of that check); None on an accelerator, without the kernels, or for codes that are
-    not uint8."""
+    one threaded native pass, into a recycled buffer (the self-check decodes every NVFP4 weight's fp8 and every MX
+    weight's E8M0 scales so); None on an accelerator, without the kernels, or for codes that are not uint8."""
     lib = library()
     if lib is None or codes.device.type != "cpu" or codes.dtype != torch.uint8:
         return None
