@@ -108,6 +108,60 @@ def test_mapped_reads_give_the_files_bytes_and_unmap_with_the_last_view(tmp_path
     assert not st._mapped_reads  # off again outside the block: positioned reads
 
 
+def test_map_tensor_maps_privately_reads_what_it_cannot_map_and_unmaps_with_the_last_view(tmp_path, monkeypatch):
+    """map_tensor gives the file's bytes mapped (private: a write to the tensor leaves the file as it was), counted
+    among the live mappings until the last view dies; a tensor whose bytes do not start at a multiple of its element
+    size, or one past MAX_LIVE_MAPPINGS, is read instead, with the same values."""
+    import qtk.io.safetensors as st
+    from qtk.io.safetensors import save_file as qtk_save_file
+
+    path = tmp_path / "t.safetensors"
+    x = torch.randn(300, 77).to(torch.bfloat16)
+    y = torch.arange(13, dtype=torch.int8)
+    z = torch.randn(5, 3)
+    qtk_save_file({"x": x, "y": y, "z": z}, path)  # in this order: z starts 13 bytes after y, at an odd offset
+    f = SafetensorsFile(path)
+    assert (f.data_start + f.entries["z"]["data_offsets"][0]) % 4  # the layout the test needs
+    raw, live = path.read_bytes(), st._live_mappings
+    reads = []
+    get_tensor = SafetensorsFile.get_tensor
+    monkeypatch.setattr(SafetensorsFile, "get_tensor", lambda self, name: (reads.append(name), get_tensor(self, name))[1])
+    got = {k: f.map_tensor(k) for k in ("x", "y", "z")}
+    assert all(torch.equal(got[k], v) for k, v in (("x", x), ("y", y), ("z", z)))
+    assert reads == ["z"] and _mapped_ranges(path) == 2 and st._live_mappings == live + 2
+    got["x"][0, 0] = 123.0
+    got["y"][0] = 99
+    assert path.read_bytes() == raw
+    view = got["x"][5:7]
+    del got
+    gc.collect()
+    assert _mapped_ranges(path) == 1 and st._live_mappings == live + 1  # x's mapping, held by the view
+    monkeypatch.setattr(st, "MAX_LIVE_MAPPINGS", live + 1)
+    assert torch.equal(f.map_tensor("y"), y) and reads == ["z", "y"]  # no room: read
+    del view
+    gc.collect()
+    assert _mapped_ranges(path) == 0 and st._live_mappings == live
+    assert torch.equal(f.map_tensor("y"), y) and reads == ["z", "y"]  # room again: mapped
+
+
+def test_map_tensor_reads_a_file_it_cannot_map(tmp_path, monkeypatch):
+    """A file system that refuses mmap (ENODEV): the tensor is read, and the mapping it did not get is not counted."""
+    import mmap
+
+    import qtk.io.safetensors as st
+
+    path = tmp_path / "t.safetensors"
+    x = torch.randn(40, 8).to(torch.bfloat16)
+    save_file({"x": x}, str(path))
+    live = st._live_mappings
+
+    def refuse(*a, **k):
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    assert torch.equal(SafetensorsFile(path).map_tensor("x"), x) and st._live_mappings == live
+
+
 @pytest.mark.parametrize("refusal", [errno.EXDEV, errno.ENOSYS, errno.EINVAL])
 def test_a_kernel_copy_refused_goes_through_memory_and_a_disk_error_is_raised(tmp_path, monkeypatch, refusal):
     """Where copy_file_range is refused (file systems it does not copy across, no such call), the StoredTensor is

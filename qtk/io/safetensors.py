@@ -1,7 +1,8 @@
 """Safetensors on disk. Writing streams: tensor bytes go to disk as they arrive, so a writer holds no more than
 one tensor in memory whatever the shard size (ShardedWriter), or one small file is written and hashed (save_file).
-Reading uses positioned reads and treats every header as untrusted input (SafetensorsFile); only a file this process
-has just written is mapped instead (mapped_reads: the convert self-check). A tensor that passes through unchanged (an
+Reading uses positioned reads and treats every header as untrusted input (SafetensorsFile); a file this process has
+just written is mapped instead (mapped_reads: the convert self-check), and so is a source tensor the data-free
+stream asks for mapped (SafetensorsFile.map_tensor: no copy, no fresh memory). A tensor that passes through unchanged (an
 embedding, lm_head, a norm) is copied from its source file to a shard in bounded chunks (StoredTensor: its bytes on
 disk, COPY_CHUNK at a time), never held whole: by the kernel (copy_file_range; on the 2-core VM of
 benchmarks/convert_io.py 1 GB in 0.35 s where reading and writing it through memory took 1.5-2.6 s, and a
@@ -47,12 +48,38 @@ _NO_KERNEL_COPY = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, er
 _kernel_copy = hasattr(os, "copy_file_range")  # off after the first refusal: every later copy goes through memory
 
 
-def map_range(fd: int, pos: int, n: int) -> torch.Tensor:
+def map_range(fd: int, pos: int, n: int, on_unmap=None) -> torch.Tensor:
     """n > 0 bytes of the file `fd` (open for reading) from `pos` on, mapped privately (no copy; writing to the
-    tensor leaves the file as it is), as a uint8 tensor whose storage holds the mapping (unmapped when it dies)."""
+    tensor leaves the file as it is), as a uint8 tensor whose storage holds the mapping (unmapped when it dies, and
+    `on_unmap()` called then)."""
     base = pos - pos % mmap.ALLOCATIONGRANULARITY
     m = mmap.mmap(fd, pos + n - base, offset=base, access=mmap.ACCESS_COPY)
+    if on_unmap is not None:
+        weakref.finalize(m, on_unmap)
     return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=pos - base)
+
+
+# Source tensors mapped at once (SafetensorsFile.map_tensor). Each mapping holds a file descriptor of its own (Python's
+# mmap duplicates the file's), so a MoE layer of hundreds of expert tensors, with the next layer mapped ahead, could
+# reach the open-files limit; past this many a tensor is read instead.
+MAX_LIVE_MAPPINGS = 256
+_live_mappings = 0
+_mappings_lock = threading.Lock()
+
+
+def _take_mapping() -> bool:
+    global _live_mappings
+    with _mappings_lock:
+        if _live_mappings >= MAX_LIVE_MAPPINGS:
+            return False
+        _live_mappings += 1
+        return True
+
+
+def _give_mapping() -> None:
+    global _live_mappings
+    with _mappings_lock:
+        _live_mappings -= 1
 
 
 class StoredTensor:
@@ -388,8 +415,9 @@ def recycled_empty(shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 class SafetensorsFile:
-    """Reads tensors from a .safetensors file with positioned reads instead of mmap, so memory held by
-    a layer is released when the layer is dropped (mmap'd pages would stay resident and grow with the model)."""
+    """Reads tensors from a .safetensors file with positioned reads (get_tensor), or maps one on request (map_tensor);
+    either way the memory a tensor holds is released when the tensor dies (a mapping is per tensor and unmapped then;
+    one mapping of the whole file would stay resident and grow with the model)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -462,6 +490,28 @@ class SafetensorsFile:
         buf = recycled_empty((end - start,), torch.uint8)
         self.read_into(memoryview(buf.numpy()).cast("B"), start, name)
         return buf.view(dtype).reshape(e["shape"])
+
+    def map_tensor(self, name: str) -> torch.Tensor:
+        """The tensor mapped from the file, not copied: its pages are the page cache's own, mapped as they are
+        touched, where a read copies them into memory the process touches for the first time (on the VM of
+        benchmarks/convert_io.py a data-free conversion of 6 Llama-3-8B-shaped layers faulted 1.17 GB of pages, 0.56 GB
+        of them read buffers, and fresh memory cost up to 6 s per GB while the host was busy). The mapping is private (a write
+        to the tensor leaves the file as it is) and unmapped when the tensor's last view dies. Read (get_tensor)
+        where its bytes do not start at a multiple of its element size (a misaligned view would reach the kernels),
+        where MAX_LIVE_MAPPINGS are alive, or where the file cannot be mapped. Only for files nothing changes
+        meanwhile, as every mapping reader (safetensors, vLLM): a file cut short under a mapping faults the process,
+        where a positioned read reports a short read."""
+        e = self.entries[name]
+        start, end = e["data_offsets"]
+        dtype = ST_TO_TORCH[e["dtype"]]
+        if end == start or (self.data_start + start) % dtype.itemsize or not _take_mapping():
+            return self.get_tensor(name)
+        try:
+            t = map_range(self._fd, self.data_start + start, end - start, on_unmap=_give_mapping)
+        except (OSError, ValueError):  # ENODEV (a file system without mmap), ENOMEM (address space): read it
+            _give_mapping()
+            return self.get_tensor(name)
+        return t.view(dtype).reshape(e["shape"])
 
     def mapped(self, offset: int, n: int, dtype: torch.dtype, shape) -> torch.Tensor:
         """The n bytes of the data section from `offset` on, mapped (mapped_reads), as a tensor of `dtype` and

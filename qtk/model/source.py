@@ -196,13 +196,17 @@ class ModelSource:
             self._handles[p] = h
         return h
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, mapped: bool = False) -> torch.Tensor:
+        """The tensor, read; mapped: mapped from its safetensors file instead where it can be
+        (qtk.io.safetensors.SafetensorsFile.map_tensor: private, so writing to it leaves the file as it is)."""
         p = self.weight_map.get(name)
         if p is None:
             raise UsageError(f"tensor {name} is missing from {self.path.name}", "the checkpoint is incomplete: re-download it")
         h = self._open(p)
         try:
-            return h[name] if isinstance(h, dict) else h.get_tensor(name)
+            if isinstance(h, dict):
+                return h[name]
+            return h.map_tensor(name) if mapped else h.get_tensor(name)
         except Exception as e:
             raise UsageError(f"cannot read tensor {name} from {p.name} ({e})", "the shard is truncated or corrupt: re-download it") from None
 

@@ -45,7 +45,13 @@ class _LayerReader:
     """Layer i+1's tensors read (and moved to the device, in the compute dtype) in a background thread, at most
     `budget` bytes of read tensors alive at a time (layer i's not yet rounded and freed, and layer i+1's read ahead):
     each tensor's bytes are counted while it lives (weakref.finalize), so the read ahead fills what layer i frees
-    as its weights are rounded, never a second whole layer. The layer the loop waits for is read without the bound."""
+    as its weights are rounded, never a second whole layer. The layer the loop waits for is read without the bound.
+    For the CPU the tensors are mapped from the source files, not copied (ModelSource.tensor(mapped=True)): the
+    NaN/Inf scan of each one in this thread brings its pages in (from the disk where they are not cached), and the
+    rounding reads the page cache's own pages instead of a copy in freshly touched memory (6 Llama-3-8B-shaped
+    layers on the 2-core VM, runs alternating with positioned reads: page faults 310-450k -> 200-290k, peak RSS
+    1.10-1.29 -> 0.99-1.22 GB, 0.3-0.8 s less system time; while the host was slow to back fresh memory
+    fp8-dynamic took 10.0 and 4.1 s where reads took 32.5 and 8.7 s, otherwise as long within the noise)."""
 
     def __init__(self, source, layout, device, enabled: bool, budget: int | None = None):
         self.source, self.device, self.dtype = source, device, compute_dtype(source)
@@ -78,8 +84,10 @@ class _LayerReader:
             n = math.prod(shape) * self.size
             self._room(i, n)
             try:
-                t = self.source.tensor(prefix + k)
-                t = t.to(self.dtype) if self.device.type == "cpu" else t.to(device=self.device, dtype=self.dtype)
+                if self.device.type == "cpu":
+                    t = self.source.tensor(prefix + k, mapped=True).to(self.dtype)
+                else:
+                    t = self.source.tensor(prefix + k).to(device=self.device, dtype=self.dtype)
                 check_finite(prefix + k, t)
             except BaseException:
                 self._release(n)

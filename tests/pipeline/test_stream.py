@@ -155,7 +155,7 @@ def test_passthrough_tensors_are_copied_in_bounded_chunks_and_byte_identical(rec
     copies, maps = [], []
     real_copy, real_map = os.copy_file_range, st.map_range
     monkeypatch.setattr(os, "copy_file_range", lambda *a: (copies.append(a[2]), real_copy(*a))[1])
-    monkeypatch.setattr(st, "map_range", lambda fd, pos, n: (maps.append(n), real_map(fd, pos, n))[1])
+    monkeypatch.setattr(st, "map_range", lambda fd, pos, n, **kw: (maps.append(n), real_map(fd, pos, n, **kw))[1])
     checked = []
     reads, whole = _reads(monkeypatch, checked)
     convert(model, recipe, tmp_path / "chunked")
@@ -330,8 +330,8 @@ def test_the_stream_holds_at_most_one_layer_of_source_tensors(tmp_path, monkeypa
     lock, live, peak = threading.Lock(), [0], [0]
     tensor = ModelSource.tensor
 
-    def counted(self, name):
-        t = tensor(self, name)
+    def counted(self, name, mapped=False):
+        t = tensor(self, name, mapped)
         n = t.numel() * t.element_size()
         with lock:
             live[0] += n
@@ -346,3 +346,29 @@ def test_the_stream_holds_at_most_one_layer_of_source_tensors(tmp_path, monkeypa
     monkeypatch.setattr(ModelSource, "tensor", counted)
     run_data_free(src, load_recipe("w8a16"), [Keep()])
     assert 0 < peak[0] <= layer_bytes, (peak[0], layer_bytes)
+
+
+def test_the_stream_maps_each_source_tensor_and_leaves_no_mapping_behind(tmp_path, monkeypatch):
+    """On the CPU every layer tensor comes mapped from the source file (SafetensorsFile.map_tensor), not read into a
+    buffer; the source's bytes are unchanged afterwards and every mapping is gone with the run."""
+    import gc
+
+    import qtk.io.safetensors as st
+    from qtk.io.safetensors import SafetensorsFile
+
+    model = make_tiny_model(tmp_path / "m", layers=2, hidden=128, intermediate=256)
+    raw = (model / "model.safetensors").read_bytes()
+    src = ModelSource(model)
+    layer_names = {n for i in range(2) for n in src.layer_tensor_names(i)}
+    mapped, read = [], []
+    map_tensor, get_tensor = SafetensorsFile.map_tensor, SafetensorsFile.get_tensor
+    monkeypatch.setattr(SafetensorsFile, "map_tensor", lambda self, name: (mapped.append(name), map_tensor(self, name))[1])
+    monkeypatch.setattr(SafetensorsFile, "get_tensor", lambda self, name: (read.append(name), get_tensor(self, name))[1])
+    live = st._live_mappings
+    b = Keep()
+    run_data_free(src, load_recipe("w8a16"), [b])
+    assert set(mapped) == layer_names and not set(read) & layer_names
+    del b
+    gc.collect()
+    assert st._live_mappings == live
+    assert (model / "model.safetensors").read_bytes() == raw
