@@ -15,13 +15,14 @@ over the processes; plus the Hessians' all-reduce between processes. The constan
   self-check reading every written Linear back, the write-back to the disk it overlaps) per parameter of the decoder
   layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus the 2-layer run
   over 4 layers of 218.1M parameters (medians of 3, 2 cores, page cache warm, freed memory settled;
-  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`; re-measured 2026-12-03 (afternoon) on a
-  2-core Intel Xeon VM with AVX-512, after early write-back and the self-check's skipped rescans: 223-768 M params/s;
-  the morning run of the code before measured 399-735. Per-layer slopes vary by 20-50 % from run to run on that VM
-  (w8a16's 223 is one slow 6-layer median; its other runs gave 2x that). Without the native kernels (no C
-  compiler) the rounding runs 3-4x slower than these figures assume. CPU_PROCESS_BYTES, by weight format: the host
+  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`; re-measured 2026-12-03 (the third run that day) on a
+  2-core Intel Xeon VM with AVX-512, after the stream mapped its source tensors: 755-1985 M params/s, near the
+  rounding kernels' own rate on 2 threads, in a quiet spell of that VM (its floors 1.9-2.6 s where the afternoon's
+  were 3.4 s). The afternoon's run of the code before measured 223-768 and the morning's 399-735: per-layer slopes
+  vary 2-4x with the VM's load, so for a loaded machine take these as the fast end. Without the native kernels (no
+  C compiler) the rounding runs 3-4x slower than these figures assume. CPU_PROCESS_BYTES, by weight format: the host
   memory of that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the
-  64 MiB copy buffers, recycled read buffers, the packing's and the self-check's temporaries), what that format's
+  64 MiB copy buffers, recycled code buffers, the packing's and the self-check's temporaries), what that format's
   6-layer run left over in that file's peak RSS, rounded up to 10 MB.
 - GPU_*: NOT measured (no GPU was available): fractions of the GPU's dense bf16 peak (qtk.plan.hardware) assumed
   for calibration forwards (35 %) and GPTQ's fp32 solves (3 %: fp32 without TF32, small triangular solves);
@@ -38,9 +39,9 @@ CPU_GEMM_FLOPS = 705e9
 CPU_SOLVE_FLOPS = 48e9
 CPU_READ_BPS = 1.6e9
 CPU_WRITE_BPS = 0.42e9
-CPU_STREAM_PARAMS_PER_S = {"fp8": 415.7e6, "int8": 223.3e6, "int4": 768.4e6, "nvfp4": 620.0e6, "mx": 706.5e6,
-                           "fp8-block": 375.9e6}
-CPU_PROCESS_BYTES = {"fp8": 190e6, "int8": 260e6, "int4": 230e6, "nvfp4": 280e6, "mx": 350e6, "fp8-block": 140e6}
+CPU_STREAM_PARAMS_PER_S = {"fp8": 1728.7e6, "int8": 1303.7e6, "int4": 1984.5e6, "nvfp4": 755.2e6, "mx": 965.4e6,
+                           "fp8-block": 1322.9e6}
+CPU_PROCESS_BYTES = {"fp8": 30e6, "int8": 170e6, "int4": 150e6, "nvfp4": 230e6, "mx": 210e6, "fp8-block": 30e6}
 GPU_HOST_LINK_BPS = 20e9  # host <-> GPU copies of the data-free stream (assumed: PCIe Gen4/5 x16, pageable memory)
 GPU_GEMM_EFFICIENCY = 0.35
 GPU_SOLVE_EFFICIENCY = 0.03
