@@ -18,8 +18,9 @@ over the processes; plus the Hessians' all-reduce between processes. The constan
   benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`; re-measured 2026-12-03 (the third run that day) on a
   2-core Intel Xeon VM with AVX-512, after the stream mapped its source tensors: 755-1985 M params/s, near the
   rounding kernels' own rate on 2 threads, in a quiet spell of that VM (its floors 1.9-2.6 s where the afternoon's
-  were 3.4 s). The afternoon's run of the code before measured 223-768 and the morning's 399-735: per-layer slopes
-  vary 2-4x with the VM's load, so for a loaded machine take these as the fast end. Without the native kernels (no
+  were 3.4 s). The afternoon's run of the code before measured 223-768 and the morning's 399-735, and the
+  fourth run, of this code, 356-1377 (benchmarks/results/convert_io_datafree_llama3_8b_rerun.json): per-layer
+  slopes vary 2-5x with the VM's load, so for a loaded machine take these as the fast end. Without the native kernels (no
   C compiler) the rounding runs 3-4x slower than these figures assume. CPU_PROCESS_BYTES, by weight format: the host
   memory of that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the
   64 MiB copy buffers, recycled code buffers, the packing's and the self-check's temporaries), what that format's
