@@ -35,8 +35,10 @@ to delete, so neither pays for the other's write-back; with --cold the page cach
 so both read the source from the disk (the conversion reads layer i+1 while layer i rounds). `convert_s` is the manifest's total (process
 start-up excluded); `prepare_s` is its part that opens the model (config, headers; the meta skeleton for calibrated recipes),
 which does not grow with the model, so `ratio_after_prepare` is what the ratio tends to on large models.
-`peak_rss_mb` is the kernel's ru_maxrss of the conversion process (qtk reads the source with positioned reads,
-not a mapping, so none of the page cache counts). The --shape llama3-8b model is written tensor by tensor (random bf16, 1 GB shards),
+`peak_rss_mb` is the kernel's ru_maxrss of the conversion process. On the CPU the data-free stream maps its source
+layer tensors (SafetensorsFile.map_tensor) and the self-check maps what it reads back: the pages of a mapping count
+while it lives, as a copy's would, and leave the count when it is unmapped (each with its last view, the source's
+as its weight is rounded); the rest of the page cache does not count. The --shape llama3-8b model is written tensor by tensor (random bf16, 1 GB shards),
 never held whole, so it can be built on a machine with little memory.
 """
 
