@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, Iterator
 
+from qtk.bounds import BudgetExceeded, ChatTemplateRenderer, bounded_lines, parse_json
 from qtk.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -69,27 +70,26 @@ class TextFile(Sequence):
 
     def _index_jsonl(self) -> None:
         rows = 0
+        def too_long(n):
+            return UsageError(f"{self.path.name}: line {n} is longer than {MAX_ROW_BYTES // 2**20} MiB",
+                              "split long texts into several rows")
+
         with open(self.path, "rb") as f:
-            offset, n = 0, 0
-            while line := f.readline(MAX_ROW_BYTES + 1):
-                n += 1
-                if len(line) > MAX_ROW_BYTES:
-                    raise UsageError(f"{self.path.name}: line {n} is longer than {MAX_ROW_BYTES // 2**20} MiB",
-                                     "split long texts into several rows")
+            for offset, n, line in bounded_lines(f, MAX_ROW_BYTES, too_long):
                 try:
                     text = line.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise _not_utf8(self.path, offset + e.start) from None
                 if text.strip():
                     try:
-                        row = json.loads(text)
-                    except json.JSONDecodeError:
-                        raise UsageError(f"{self.path.name}: line {n} is not valid JSON", "write one JSON object per line") from None
+                        row = parse_json(text)
+                    except ValueError as e:  # a JSONDecodeError, nesting past the parser's stack, a 5000-digit number
+                        why = "" if isinstance(e, json.JSONDecodeError) else f" ({e})"
+                        raise UsageError(f"{self.path.name}: line {n} is not valid JSON{why}", "write one JSON object per line") from None
                     if _row_text(row, rows, self.field, self.path.name, self.chat, render=False).strip():
                         self._starts.append(offset)
                         self._ends.append(offset + len(line))
                     rows += 1
-                offset += len(line)
 
     def _index_txt(self) -> None:
         """Texts are what str.split("\n\n") gives on the file read with universal newlines; found block by block."""
@@ -139,7 +139,7 @@ class TextFile(Sequence):
         if self.path.suffix == ".jsonl":
             with open(self.path, "rb") as f:
                 f.seek(start)
-                text = _row_text(json.loads(f.read(end - start)), i, self.field, self.path.name, self.chat)
+                text = _row_text(parse_json(f.read(end - start)), i, self.field, self.path.name, self.chat)
             for k in range(0, len(text), size):
                 yield text[k: k + size]
             return
@@ -260,12 +260,15 @@ def pick_split(spec: str, names: list[str], split: str | None) -> str:
 
 
 class ChatTemplate:
-    """Renders a conversation with the model's own chat template, the text the model sees when served for chat.
-    The tokenizer is loaded on first use; `conversations` counts what was rendered (for the manifest)."""
+    """Renders a conversation with the model's own chat template, the text the model sees when served for chat
+    (transformers' apply_chat_template, reproduced by qtk.bounds.ChatTemplateRenderer in the same sandbox under a
+    budget of steps and characters: a template is code from the model's publisher). The tokenizer is loaded on first
+    use; `conversations` counts what was rendered (for the manifest)."""
 
     def __init__(self, load_tokenizer: Callable):
         self._load = load_tokenizer
         self._tokenizer = None
+        self._renderers: dict[str, ChatTemplateRenderer] = {}
         self.conversations = 0
         self.template_sha256: str | None = None
 
@@ -290,7 +293,15 @@ class ChatTemplate:
         template = self.check(turns, where)
         tok = self.tokenizer
         try:
-            text = tok.apply_chat_template(turns, tokenize=False)
+            source = tok.get_chat_template()  # the one apply_chat_template would use (of several: 'default')
+            renderer = self._renderers.get(source)
+            if renderer is None:
+                renderer = self._renderers[source] = ChatTemplateRenderer(source)
+            text = renderer.render(turns, dict(tok.special_tokens_map))
+        except BudgetExceeded as e:
+            raise UsageError(f"{where}: the model's chat template is refused: {e}",
+                             "fix the chat template (the loops, repetitions and sizes it builds), or calibrate on a "
+                             "plain text field") from None
         except Exception as e:  # jinja2 TemplateError and friends: the template's own checks (e.g. alternating roles)
             raise UsageError(f"{where}: the model's chat template rejects this conversation ({' '.join(str(e).split())[:200]})",
                              "fix the conversation, or calibrate on a plain text field") from None

@@ -46,3 +46,21 @@ def handled():
         for sig, h in before.items():
             signal.signal(sig, h)
         _pending = None
+
+
+# how long an ending run waits for its read-ahead and write-back threads: one tensor's read or write, not a stalled disk
+SETTLE_SECONDS = 5.0
+
+
+def settle_background(timeout: float = SETTLE_SECONDS) -> bool:
+    """Wait, at most `timeout` seconds in all, for qtk's daemon threads (read ahead, write back, flush) that a failure
+    or Ctrl-C abandoned; True when none is left. One left inside a torch call when the interpreter shuts down is ended
+    by an unwind its C++ frames cannot take, and the process aborts ("terminate called without an active exception",
+    SIGABRT) instead of exiting with its code."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    for t in threading.enumerate():
+        if t.daemon and t.name.startswith("qtk-") and t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.daemon and t.name.startswith("qtk-") and t.is_alive() for t in threading.enumerate())

@@ -10,6 +10,8 @@ import logging
 import sys
 import time
 
+from qtk.errors import printable
+
 
 def clock(seconds: float) -> str:
     """0:07, 12:34, 1:02:03."""
@@ -101,6 +103,7 @@ class Reporter:
             self._line(", ".join(parts))
 
     def warn(self, text: str) -> None:
+        text = printable(text)  # one line, whatever a quoted input holds
         if self._progress is not None:
             self._progress.console.print(f"warning: {text}", markup=False, highlight=False)
         else:

@@ -43,6 +43,11 @@ CATALOGUE = {
     "config-inconsistent": "config.json whose head counts disagree (3 attention heads, 2 KV heads)",
     "config-wrong-type": "config.json value of the wrong type (num_hidden_layers: \"two\")",
     "already-quantized": "model that is already quantized (quantization_config)",
+    "fp8-source-per-tensor": "FP8 source without weight_block_size (one scale per tensor)",
+    "fp8-source-scale-missing": "FP8-block source: a weight's weight_scale_inv is missing",
+    "fp8-source-block-shape": "FP8-block source: the scales' grid disagrees with weight_block_size",
+    "fp8-source-same-format": "FP8-block source converted to the same blocks (recipe fp8-block)",
+    "vlm-target": "vision-language model (gemma3) to a target that cannot keep its vision tower out (gptq)",
     "remote-code": "custom code required (auto_map) without --trust-remote-code",
     "remote-code-missing": "--trust-remote-code, but the code file is not in the directory",
     "pickle-only": "pickle-only checkpoint (pytorch_model.bin) without --allow-pickle",
@@ -96,6 +101,8 @@ CATALOGUE = {
     "mixed-target-hf-modelopt": "mixed-precision recipe for --target hf-modelopt",
     "mixed-trtllm-activations": "mixed-precision recipe with quantized activations for --target trtllm",
     "mixed-moe-experts": "overrides that give MoE experts their own scheme (--target vllm)",
+    "mla-kv-cache": "a KV-cache recipe (int8-kv8) for an MLA model (deepseek_v3)",
+    "moe-layer-freq": "an MoE config with dense layers other than DeepSeek's dense-first ones (moe_layer_freq 2)",
     # the output
     "output-is-file": "-o names an existing file",
     "output-under-file": "-o below an existing file",
@@ -191,6 +198,24 @@ CATALOGUE = {
     "ckpt-scale-mismatch": "a weight scale 1% off what was measured (the bytes disagree with qtk.json)",
     "source-bool-weights": "bool weights in the source model",
     "source-int32-weights": "int32 weights in the source model",
+    # hardening, second round: nothing fetched, every template checked, bounded parsing, reference layouts
+    "remote-code-other-repo": "--trust-remote-code with an auto_map naming code in another repository (org/repo--module.Class)",
+    "template-dir-link-outside": "additional_chat_templates/ is a link to a folder outside the model",
+    "side-file-too-large": "tokenizer.json padded with NULs to 65 MiB",
+    "config-too-large": "config.json of 17 MB",
+    "config-nested-deep": "config.json nested 100,000 deep",
+    "config-list-too-long": "config.json layer_types with 100,000 entries over 2 layers",
+    "config-eps-infinite": "config.json rms_norm_eps: Infinity",
+    "recipe-yaml-bomb": "recipe whose YAML aliases expand to 531,441 values (a 'billion laughs' tower)",
+    "recipe-regex-nested": "recipe override target `re:((\\w\\|\\.)+)+Z` (backtracks exponentially)",
+    "calib-nested-deep": "calibration .jsonl row nested 200,000 deep",
+    "shard-overlap": "safetensors shard whose two tensors share their bytes",
+    "eval-task-yaml-bomb": "task file whose YAML aliases expand to 531,441 values",
+    "eval-regex-nested": "task regex '(\\d+)+x' (backtracks exponentially on every generated text)",
+    "eval-field-format-width": "task field template '{prompt:>100000}' (a padding per example)",
+    "ckpt-overlap": "checkpoint shard whose tensors overlap (inspect)",
+    "ckpt-config-groups-partial": "checkpoint config whose only config group targets 're:.*q_proj'",
+    "ckpt-recipe-disagrees": "qtk.json's recipe says int8 per channel, the config and tensors int4 groups of 128",
 }
 SEEN: dict[str, tuple[int, str]] = {}  # id -> (exit code, message with paths shortened)
 
@@ -283,6 +308,41 @@ def test_config_values(tmp_path, model, case, changes, needles):
     edit_config(model, **changes)
     code, out = convert(tmp_path, model)
     expect(case, code, out, tmp_path, *needles)
+
+
+@pytest.mark.parametrize("case,damage,recipe,needles", [
+    ("fp8-source-per-tensor", lambda d: _edit_qc(d, weight_block_size=None), "w8a16",
+     ("without weight_block_size", "FP8-block release")),
+    ("fp8-source-scale-missing", lambda d: edit_weights(d, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight_scale_inv")),
+     "w8a16", ("model.layers.1.mlp.up_proj.weight is FP8", "no model.layers.1.mlp.up_proj.weight_scale_inv", "re-download")),
+    ("fp8-source-block-shape", lambda d: _edit_qc(d, weight_block_size=[32, 128]), "w8a16",
+     ("model.layers.0.mlp.down_proj.weight_scale_inv has shape [1, ", "32x128 blocks", "weight_block_size disagrees")),
+    ("fp8-source-same-format", lambda d: None, "fp8-block", ("already FP8 in 128x128 blocks", "serve the source as it is")),
+])
+def test_fp8_block_source_refusals(tmp_path, model, case, damage, recipe, needles):
+    """A damaged FP8-block source (qtk.model.prequantized) is refused from its headers, before any work; so is
+    converting one to its own format."""
+    from fp8_sources import make_fp8_block_source
+
+    src = make_fp8_block_source(model, tmp_path / "fp8")
+    damage(src)
+    code, out = convert(tmp_path, src, recipe=recipe)
+    expect(case, code, out, tmp_path, *needles)
+
+
+def test_vision_language_model_other_targets(tmp_path):
+    from vlm_models import make_tiny_vlm
+
+    src = make_tiny_vlm(tmp_path / "vlm", "gemma3")
+    code, out = convert(tmp_path, src, "--target", "gptq", recipe="w4a16")
+    expect("vlm-target", code, out, tmp_path, "target gptq does not write vision-language models (gemma3)",
+           "use --target vllm")
+
+
+def _edit_qc(d: Path, **changes) -> None:
+    qc = json.loads((d / "config.json").read_text())["quantization_config"]
+    qc.update(changes)
+    edit_config(d, quantization_config={k: v for k, v in qc.items() if v is not None})
 
 
 def test_remote_code_refused_unless_trusted(tmp_path, model):
@@ -544,6 +604,28 @@ def test_mixed_recipe_giving_experts_a_scheme_refused(tmp_path):
     code, out = convert(tmp_path, moe, recipe=p)
     expect("mixed-moe-experts", code, out, tmp_path, "overrides give MoE experts their own scheme",
            "block_sparse_moe.experts.1", "target attention Linears only")
+
+
+def _deepseek(tmp_path, **config):
+    from test_architectures import DEEPSEEK
+
+    d = make_tiny_model(tmp_path / "deepseek", model_type="deepseek_v3", layers=2, hidden=128, intermediate=128,
+                        **DEEPSEEK)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **config}))
+    return d
+
+
+def test_kv_cache_recipe_for_mla_refused(tmp_path):
+    code, out = convert(tmp_path, _deepseek(tmp_path), recipe="int8-kv8")
+    expect("mla-kv-cache", code, out, tmp_path, "quantizes the KV cache", "attention is MLA",
+           "kv_lora_rank + qk_rope_head_dim", "w8a8-sq for int8-kv8")
+
+
+def test_moe_config_with_interleaved_dense_layers_refused(tmp_path):
+    code, out = convert(tmp_path, _deepseek(tmp_path, moe_layer_freq=2), recipe="w8a16")
+    expect("moe-layer-freq", code, out, tmp_path, "mixes dense and MoE layers", "moe_layer_freq",
+           "dense first (first_k_dense_replace)")
 
 
 # ---- the output ----
@@ -1168,6 +1250,189 @@ def test_integer_source_weights_refused(tmp_path, model, case, dtype):
     edit_weights(model, lambda sd: sd.update({f"{M}.weight": (sd[f"{M}.weight"] > 0).to(dtype)}))
     code, out = convert(tmp_path, model)
     expect(case, code, out, tmp_path, f"tensor {M}.weight is stored as {str(dtype)[6:]}", "original (bf16/fp16/fp32) model")
+
+
+# ---- hardening, second round: bounded input ----
+
+
+def yaml_bomb(levels: int, width: int = 9) -> str:
+    """A YAML flow list whose aliases expand to width**levels values, in a few hundred bytes ('billion laughs')."""
+    towers = ["&a0 [" + ",".join(["lol"] * width) + "]"]
+    towers += [f"&a{k} [" + ",".join([f"*a{k - 1}"] * width) + "]" for k in range(1, levels)]
+    return "[" + ", ".join(towers) + "]"
+
+
+def test_auto_map_from_another_repository_refused(tmp_path, model):
+    """transformers fetches 'org/repo--module.Class' from that other repository even for a local model (a network
+    request was made); qtk downloads no code: refused before transformers sees it (tests/test_hardening.py checks
+    that no connection is attempted)."""
+    (model / "configuration_x.py").write_text("raise SystemExit('the code ran')\n")
+    edit_config(model, auto_map={"AutoConfig": "org/elsewhere--configuration_x.XConfig"})
+    code, out = convert(tmp_path, model, "--trust-remote-code")
+    expect("remote-code-other-repo", code, out, tmp_path, "config.json's auto_map takes code from another repository",
+           "'org/elsewhere--configuration_x.XConfig'", "copy that repository's *.py files")
+
+
+@pytest.mark.parametrize("linked", ["additional_chat_templates", "chat_template.json"])
+def test_chat_templates_linked_outside_refused(tmp_path, model, linked):
+    """A template under additional_chat_templates/ linked outside the model was read and applied
+    (chat_template.applied: true): every template transformers may read is held to the side files' rule."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "default.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    if linked == "additional_chat_templates":
+        (model / linked).symlink_to(elsewhere)
+    else:
+        (model / linked).symlink_to(elsewhere / "default.jinja")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hello there " * 20}]}) + "\n")
+    code, out = convert(tmp_path, model, "--calib", chat, "--text-field", "messages", "--num-samples", "2",
+                        "--seq-len", "16", recipe="int8-kv8")
+    if linked == "additional_chat_templates":
+        expect("template-dir-link-outside", code, out, tmp_path,
+               "additional_chat_templates/default.jinja in model is a link to a file outside the model directory")
+    else:
+        assert code == 2 and "chat_template.json in model is a link to a file outside" in out, out
+
+
+def test_side_file_size_bounded(tmp_path, model):
+    """A tokenizer.json padded with NULs was copied into the output (w8a16 never loads it) or parsed at 2x its size."""
+    with open(model / "tokenizer.json", "r+b") as f:
+        f.truncate(65 * 2**20)  # sparse: no disk written
+    code, out = convert(tmp_path, model)
+    expect("side-file-too-large", code, out, tmp_path, "tokenizer.json is 68,157,440 bytes, more than the 64 MiB qtk "
+           "reads for it", "restore the model's original file")
+
+
+def _config_text(model: Path, case: str) -> str:
+    cfg = (model / "config.json").read_text().rstrip()
+    if case == "config-too-large":
+        return cfg[:-1] + ', "padding": "' + "x" * (17 * 2**20) + '"}'
+    if case == "config-nested-deep":
+        return cfg[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    if case == "config-list-too-long":
+        return cfg[:-1] + ', "layer_types": ' + json.dumps(["full_attention"] * 100_000) + "}"
+    return cfg[:-1] + ', "rms_norm_eps": Infinity}'  # json.dumps(float("inf")) writes it so
+
+
+@pytest.mark.parametrize("case,needles", [
+    ("config-too-large", ("is 17,826,", "more than the 16 MiB qtk reads for a config.json")),
+    ("config-nested-deep", ("cannot be parsed (nested deeper than the JSON parser follows)",)),
+    ("config-list-too-long", ("layer_types has 100,000 entries, more than 2 (one per layer)",)),
+    ("config-eps-infinite", ("rms_norm_eps is inf, not a finite number",)),
+])
+def test_config_json_bounded(tmp_path, model, case, needles):
+    """A config is a few KB: one of 17 MB, one nested past the JSON parser's stack (a RecursionError traceback), a
+    list of a length no model has (10 million layer_types took 2 GB and were written into the output) and a
+    non-finite epsilon (found only after the whole conversion) are refused before any work."""
+    (model / "config.json").write_text(_config_text(model, case))
+    code, out = convert(tmp_path, model)
+    expect(case, code, out, tmp_path, *needles)
+    if case == "config-too-large":
+        SEEN[case] = (code, re.sub(r"is [\d,]+ bytes", "is <n> bytes", SEEN[case][1]))
+
+
+def test_recipe_yaml_bomb(tmp_path, tiny_llama):
+    """A recipe of a few hundred bytes whose aliases expand a billion-fold ended in a MemoryError traceback (a smaller
+    tower here: today a multi-MB one-line error; the real one is in tests/test_hardening.py)."""
+    p = tmp_path / "r.yaml"
+    p.write_text(f"name: r\nweights: {{num_bits: 8, strategy: {yaml_bomb(6)}}}\n")
+    code, out = convert(tmp_path, tiny_llama, recipe=p)
+    expect("recipe-yaml-bomb", code, out, tmp_path, "its aliases (&anchor, *alias) expand to more than 100,000 values",
+           "write the values out")
+
+
+def test_recipe_regex_with_nested_repetition(tmp_path, tiny_llama):
+    """Matched against every module name, 're:((\\w|\\.)+)+Z' hung convert (and inspect, on the same text in qtk.json)."""
+    p = tmp_path / "r.yaml"
+    p.write_text(MIXED % "'re:((\\w|\\.)+)+Z'")
+    code, out = convert(tmp_path, tiny_llama, recipe=p)
+    expect("recipe-regex-nested", code, out, tmp_path, "overrides[0]: targets pattern 're:((\\w|\\.)+)+Z' is refused",
+           "backtracks exponentially", "without nested repetition")
+
+
+def test_calibration_row_nested_deep(tmp_path, tiny_llama):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"text": ' + "[" * 200_000 + "]" * 200_000 + "}\n")
+    code, out = convert(tmp_path, tiny_llama, "--calib", p, recipe="int8-kv8")
+    expect("calib-nested-deep", code, out, tmp_path, "c.jsonl: line 1 is not valid JSON (nested deeper than the JSON "
+           "parser follows)")
+
+
+def _overlap(header: dict, a: str, b: str) -> None:
+    """Point tensor b at tensor a's bytes (b keeps its shape and dtype, so sizes still match)."""
+    header[b]["data_offsets"] = list(header[a]["data_offsets"])
+
+
+def test_overlapping_tensors_refused(tmp_path, model):
+    """Two tensors over the same bytes converted as fine; the safetensors library refuses the file ("invalid offset"),
+    as qtk now does: offsets in order, each tensor where the one before ended, the last at the end of the file."""
+    edit_header(model / "model.safetensors", lambda h: _overlap(h, "model.layers.0.mlp.gate_proj.weight",
+                                                                "model.layers.0.mlp.up_proj.weight"))
+    code, out = convert(tmp_path, model)
+    expect("shard-overlap", code, out, tmp_path, "model.safetensors is not a readable safetensors file",
+           "overlaps the bytes of tensor", "re-download that shard")
+
+
+@pytest.fixture(scope="module")
+def eval_ckpt(tiny_llama, tmp_path_factory) -> Path:
+    from qtk import api
+
+    return api.convert(tiny_llama, "w8a16", tmp_path_factory.mktemp("evalckpt") / "out", hash_source=False).outputs["vllm"]
+
+
+GEN_TASK = "tasks:\n  - {name: g, type: generate, data: gen.jsonl, fields: {prompt: %s, reference: a}%s}\n"
+
+
+@pytest.mark.parametrize("case,body,needles", [
+    ("eval-task-yaml-bomb", f"defaults: {{regex: {yaml_bomb(6)}}}\ntasks: []\n",
+     ("tasks.yaml: its aliases (&anchor, *alias) expand to more than",)),
+    ("eval-regex-nested", GEN_TASK % ("q", ", regex: '(\\d+)+x'"), ("task 'g'.regex: the pattern is refused", "backtracks exponentially")),
+    ("eval-field-format-width", GEN_TASK % ("'{q:>100000}'", ""),
+     ("task 'g'.fields.prompt: the format spec '>100000' asks for a field of 100,000 characters", "plain '{column}' fields")),
+])
+def test_eval_task_file_bounded(tmp_path, eval_ckpt, tiny_llama, case, body, needles):
+    """Task files: an alias tower, a regex with nested repetition searched in every generated text, and a field
+    template asking for a padding per example are refused when the file is read."""
+    (tmp_path / "gen.jsonl").write_text(json.dumps({"q": "1+1=", "a": "2"}) + "\n")
+    (tmp_path / "tasks.yaml").write_text(body)
+    code, out = cli("eval", eval_ckpt, "--baseline", tiny_llama, "--tasks", tmp_path / "tasks.yaml", "--no-cache")
+    expect(case, code, out, tmp_path, *needles)
+
+
+def test_checkpoint_overlapping_tensors_fail_inspect(tmp_path, written):
+    """Two norm weights of equal values over the same bytes read back as fine; the reference reader refuses the file."""
+    d = Path(shutil.copytree(written["w8a16"], tmp_path / "vllm"))
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"
+    edit_weights(d, lambda sd: sd.update({b: sd[a].clone()}))
+    assert inspect_cli(d)[0] == 0
+    edit_header(d / "model.safetensors", lambda h: _overlap(h, a, b))
+    code, err = inspect_cli(d)
+    expect("ckpt-overlap", code, err, tmp_path, "model.safetensors is not a readable safetensors file", "overlaps",
+           exit_code=1)
+
+
+def test_checkpoint_config_group_for_some_linears_fails_inspect(tmp_path, written):
+    """A config whose only group targets 're:.*q_proj' was an AttributeError traceback in inspect's report."""
+    d = Path(shutil.copytree(written["w8a16"], tmp_path / "vllm"))
+    edit_qconfig(d, lambda c: _group(c).update(targets=["re:.*q_proj"]))
+    code, err = inspect_cli(d)
+    expect("ckpt-config-groups-partial", code, err, tmp_path, f"{M} holds quantized tensors but no config group targets it",
+           exit_code=1)
+
+
+def test_checkpoint_recipe_disagreeing_with_the_tensors_fails_inspect(tmp_path, tiny_llama):
+    """A qtk.json whose recipe says 8-bit per channel over int4 group tensors passed inspect."""
+    code, output = cli("convert", tiny_llama, "--recipe", "w4a16", "-o", tmp_path / "w4", "--no-hash")
+    assert code == 0, output
+    d = tmp_path / "w4" / "vllm"
+    manifest = json.loads((d / "qtk.json").read_text())
+    manifest["recipe"]["text"] = manifest["recipe"]["text"].replace(
+        "{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 128}", "{num_bits: 8, strategy: channel}")
+    (d / "qtk.json").write_text(json.dumps(manifest))
+    code, err = inspect_cli(d)
+    expect("ckpt-recipe-disagrees", code, err, tmp_path, "qtk.json's recipe matches the config", f"{M}: the recipe says "
+           "int8 channel sym, the config and tensors int4 group128 sym", exit_code=1)
 
 
 # ---- docs/errors.md ----

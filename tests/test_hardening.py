@@ -213,3 +213,184 @@ def test_streamed_header_is_bounded_and_readable(tmp_path):
 
     assert written(tmp_path / "many-expected", 10**7, 5) == 1
     assert written(tmp_path / "more-than-expected", 1, 300) > 1  # the header outgrew its room: a new shard, still readable
+
+
+# ---- small inputs that asked for unbounded memory or time ----
+
+_CAPPED = """import json, os, resource, signal, sys, time
+cap, limit, out = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))  # inherited: the command can never take the machine down
+t0 = time.perf_counter()
+pid = os.posix_spawn(sys.argv[4], sys.argv[4:], dict(os.environ))
+timed_out = False
+while True:
+    done, status, ru = os.wait4(pid, os.WNOHANG)
+    if done:
+        break
+    if time.perf_counter() - t0 > limit:
+        timed_out = True
+        os.kill(pid, signal.SIGKILL)
+        _, status, ru = os.wait4(pid, 0)
+        break
+    time.sleep(0.05)
+json.dump({"exit": os.waitstatus_to_exitcode(status), "maxrss_kb": ru.ru_maxrss, "timed_out": timed_out,
+           "wall_s": time.perf_counter() - t0}, open(out, "w"))
+"""
+CAP = 3 * 2**30  # address space: qtk needs ~1.3 GB of it; the bombs asked for 2-5 GB of memory
+
+
+def capped(args: list, timeout: float = 120, env: dict | None = None) -> tuple[int, int, str, bool]:
+    """(exit code, peak RSS bytes, stderr, timed out) of a qtk command run in a grandchild of a bare interpreter whose
+    address space is capped at CAP and which is killed after `timeout` seconds."""
+    with tempfile.TemporaryDirectory() as td:
+        res, err = Path(td) / "rusage.json", Path(td) / "stderr"
+        with open(err, "w") as e:
+            subprocess.run([sys.executable, "-S", "-c", _CAPPED, str(CAP), str(timeout), str(res), *map(str, args)],
+                           stdout=subprocess.DEVNULL, stderr=e, check=True,
+                           env=env or {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
+        r = json.loads(res.read_text())
+        return r["exit"], r["maxrss_kb"] * 1024, err.read_text(), r["timed_out"]
+
+
+def yaml_bomb(levels: int = 9, width: int = 9) -> str:
+    """A YAML flow list whose aliases expand to width**levels values (387 million here) in a few hundred bytes."""
+    towers = ["&a0 [" + ",".join(["lol"] * width) + "]"]
+    towers += [f"&a{k} [" + ",".join([f"*a{k - 1}"] * width) + "]" for k in range(1, levels)]
+    return "[" + ", ".join(towers) + "]"
+
+
+def one_error_line(err: str) -> list[str]:
+    from models import message_lines
+
+    return [line for line in message_lines(err) if not line.startswith("warning: ")]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_llama, tmp_path_factory) -> Path:
+    from qtk import api
+
+    return api.convert(tiny_llama, "w8a16", tmp_path_factory.mktemp("ckpt") / "out", hash_source=False).outputs["vllm"]
+
+
+def _chat_model(tmp_path: Path, tiny_llama: Path, template: str) -> tuple[Path, Path]:
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    (model / "chat_template.jinja").write_text(template)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hello {i} " * 30}]}) + "\n"
+                            for i in range(8)))
+    return model, chat
+
+
+def _task_file(tmp_path: Path, task: str, rows: int = 4) -> Path:
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"text": f"alpha beta gamma {i} delta epsilon zeta eta theta iota kappa lambda mu"}) + "\n")
+    (tmp_path / "tasks.yaml").write_text(f"tasks:\n  - {task}\n")
+    return tmp_path / "tasks.yaml"
+
+
+SMALL_INPUTS = ["recipe-bomb", "tune-candidate-bomb", "manifest-recipe-bomb", "task-file-bomb", "task-format-width",
+                "task-data-157mb-limit-5", "chat-template-multiply", "chat-template-loops", "tokenizer-nul-padded",
+                "config-layer-types-1e7", "manifest-recipe-regex"]
+
+
+@pytest.mark.parametrize("case", SMALL_INPUTS)
+def test_small_inputs_in_bounded_memory_and_time(tmp_path, tiny_llama, checkpoint, case):
+    """Each of these took 1.9-4.6 GB (a MemoryError traceback at best) or never ended. Now: a result or a one-line
+    refusal, within 1 GiB and a minute, in a process whose address space is capped at 3 GiB."""
+    model, out = tiny_llama, tmp_path / "out"
+    base = ["convert", model, "--recipe", "w8a16", "-o", out, "--no-hash"]
+    small = ["--num-samples", "4", "--seq-len", "32"]
+    expect_exit = (2,)
+    if case == "recipe-bomb":
+        (tmp_path / "r.yaml").write_text(f"name: r\nweights: {{num_bits: 8, strategy: {yaml_bomb()}}}\n")
+        args = ["convert", model, "--recipe", tmp_path / "r.yaml", "-o", out, "--no-hash"]
+    elif case == "tune-candidate-bomb":
+        (tmp_path / "r.yaml").write_text(f"name: r\nweights: {{num_bits: 8, strategy: {yaml_bomb()}}}\n")
+        tasks = _task_file(tmp_path, "{name: ppl, type: perplexity, data: data.jsonl}")
+        args = ["tune", model, "--tasks", tasks, "-o", out, "--max-weight-bytes", "1MB", "--candidates", f"{tmp_path / 'r.yaml'},bf16"]
+    elif case in ("manifest-recipe-bomb", "manifest-recipe-regex"):
+        d = Path(shutil.copytree(checkpoint, tmp_path / "vllm"))
+        manifest = json.loads((d / "qtk.json").read_text())
+        manifest["recipe"]["text"] = (f"name: r\nweights: {{num_bits: 8, strategy: {yaml_bomb()}}}\n" if case == "manifest-recipe-bomb"
+                                      else "name: r\nweights: {num_bits: 8}\nignore: [lm_head, 're:((\\w|\\.)+)+Z']\n")
+        (d / "qtk.json").write_text(json.dumps(manifest))
+        args, expect_exit = ["inspect", d], (1,)  # the checkpoint fails a check: its qtk.json's recipe cannot be read
+    elif case == "task-file-bomb":
+        (tmp_path / "tasks.yaml").write_text(f"defaults: {{regex: {yaml_bomb()}}}\ntasks:\n  - {{name: x, type: perplexity, data: d.jsonl}}\n")
+        args = ["eval", checkpoint, "--baseline", model, "--tasks", tmp_path / "tasks.yaml", "--no-cache"]
+    elif case == "task-format-width":
+        tasks = _task_file(tmp_path, "{name: ppl, type: perplexity, data: data.jsonl, fields: {text: '{text:>1500000000}'}}")
+        args = ["eval", checkpoint, "--baseline", model, "--tasks", tasks, "--no-cache"]
+    elif case == "task-data-157mb-limit-5":
+        tasks = _task_file(tmp_path, "{name: ppl, type: perplexity, data: data.jsonl, limit: 5}", rows=1_700_000)
+        args, expect_exit = ["eval", checkpoint, "--baseline", model, "--tasks", tasks, "--no-cache"], (0, 1)
+    elif case in ("chat-template-multiply", "chat-template-loops"):
+        # 1.5 billion: under CAP the allocation succeeds, and is touched, as 3 billion's was without a cap
+        template = ("{{ 'x' * 1500000000 }}" if case == "chat-template-multiply" else
+                    "{% for a in range(99999) %}{% for b in range(99999) %}{% for c in range(99999) %}{% endfor %}"
+                    "{% endfor %}{% endfor %}")
+        model, chat = _chat_model(tmp_path, tiny_llama, template)
+        args = ["convert", model, "--recipe", "int8-kv8", "-o", out, "--no-hash", "--calib", chat, "--text-field", "messages", *small]
+    elif case == "tokenizer-nul-padded":
+        model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+        with open(model / "tokenizer.json", "r+b") as f:
+            f.truncate(f.seek(0, 2) + 2 * 2**30)  # 2 GB of NULs after the JSON, sparse
+        args = ["convert", model, "--recipe", "int8-kv8", "-o", out, "--no-hash", *small]
+    else:  # config-layer-types-1e7
+        model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+        cfg = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**cfg, "layer_types": ["full_attention"] * 10_000_000}))
+        args = base[:1] + [model] + base[2:]
+    code, peak, err, timed_out = capped([QTK, *args], timeout=300 if case == "task-data-157mb-limit-5" else 120)
+    print(f"{case}: exit {code}, peak RSS {peak / 2**20:.0f} MiB, timed out: {timed_out}; {one_error_line(err)[-1:]}")
+    assert not timed_out, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert code in expect_exit, err[-2000:]
+    if code:
+        lines = one_error_line(err)
+        assert len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]
+    assert peak < 2**30
+    assert not (out.exists() and any(p.name in ("vllm", "recipe.yaml") for p in out.iterdir()))
+
+
+def _connect_recorder() -> str:
+    return """
+import socket, sys
+attempts = []
+
+def refuse(*args, **kwargs):
+    attempts.append(repr(args)[:200])
+    with open(sys.argv[1], "a") as f:
+        f.write(repr(args)[:200] + "\\n")
+    raise OSError("network disabled by the test")
+
+socket.socket.connect = refuse
+socket.socket.connect_ex = refuse
+socket.getaddrinfo = refuse
+socket.create_connection = refuse
+from qtk.cli import main
+main(sys.argv[2:], prog_name="qtk")
+"""
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])
+def test_code_from_another_repository_is_never_fetched(tmp_path, tiny_llama, calib_file, where):
+    """An auto_map naming 'org/repo--module.Class' made transformers request that repository's code (with
+    --trust-remote-code, HF_HUB_OFFLINE unset). Nothing is fetched: refused with one line before any connection."""
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    (model / "configuration_x.py").write_text("raise SystemExit('the code ran')\n")
+    f = model / where
+    doc = json.loads(f.read_text())
+    key = "AutoConfig" if where == "config.json" else "AutoTokenizer"
+    ref = "org/elsewhere--configuration_x.XConfig"
+    f.write_text(json.dumps({**doc, "auto_map": {key: ref if key == "AutoConfig" else [ref, None]}}))
+    log = tmp_path / "connections"
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")}
+    r = subprocess.run([sys.executable, "-c", _connect_recorder(), str(log), "convert", str(model), "--recipe", "int8-kv8",
+                        "-o", str(tmp_path / "out"), "--no-hash", "--trust-remote-code", "--calib", str(calib_file),
+                        "--num-samples", "4", "--seq-len", "32"],
+                       capture_output=True, text=True, env={**env, "TRANSFORMERS_VERBOSITY": "error"}, timeout=300)
+    assert not log.exists(), log.read_text()
+    lines = one_error_line(r.stderr)
+    assert r.returncode == 2 and len(lines) == 1 and f"{where}'s auto_map takes code from another repository" in lines[0], r.stderr

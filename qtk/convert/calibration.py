@@ -8,14 +8,16 @@ import logging
 import time
 from pathlib import Path
 
-from qtk.convert.options import ConvertOptions
 from qtk.errors import UsageError
+
+# options: a qtk.convert.options.ConvertOptions (not imported: its check of --verify-engine reaches the engine check,
+# which measures memory here)
 
 # bytes per calibration token besides its hidden states: its id in a tensor and, while sampling, in a Python list
 BYTES_PER_TOKEN_ID = 80
 
 
-def warn_unused(recipe, options: ConvertOptions) -> None:
+def warn_unused(recipe, options) -> None:
     """A recipe that looks at no data ignores the calibration options: say so instead of silently dropping them."""
     if recipe.needs_calibration:
         return
@@ -27,7 +29,7 @@ def warn_unused(recipe, options: ConvertOptions) -> None:
             recipe.name, ", ".join(names), "is" if len(names) == 1 else "are")
 
 
-def check_size(source, recipe, options: ConvertOptions) -> None:
+def check_size(source, recipe, options) -> None:
     """Refuse windows the model cannot take or memory cannot hold, before any text is read: every window's hidden
     states stay in memory for the whole run (the current layer's inputs and outputs)."""
     if not recipe.needs_calibration or options.calib_ids is not None:
@@ -37,12 +39,15 @@ def check_size(source, recipe, options: ConvertOptions) -> None:
     c = recipe.calibration
     num_samples = c.num_samples if options.num_samples is None else options.num_samples
     seq_len = c.seq_len if options.seq_len is None else options.seq_len
-    max_pos = getattr(source.config, "max_position_embeddings", None)
+    text = source.config.get_text_config()  # a vision-language model's language model
+    max_pos = getattr(text, "max_position_embeddings", None)
     if max_pos and seq_len > max_pos:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}", f"use --seq-len {max_pos} or less")
-    hidden = int(source.config.hidden_size)
+    hidden = int(text.hidden_size)
     item = torch.finfo(torch.float32 if source.dtype == torch.float16 else source.dtype).bits // 8
     per_window = seq_len * (2 * hidden * item + BYTES_PER_TOKEN_ID)
+    from qtk.pipeline.memory import available_memory  # qtk.pipeline brings torch; plan imports this module
+
     avail = available_memory()
     if avail is not None and num_samples * per_window > avail:
         raise UsageError(f"--num-samples {num_samples} x --seq-len {seq_len} needs about {num_samples * per_window / 2**30:.1f} GiB "
@@ -50,24 +55,10 @@ def check_size(source, recipe, options: ConvertOptions) -> None:
                          f"use at most about {max(1, avail // per_window)} samples at this --seq-len, or a shorter --seq-len")
 
 
-def available_memory() -> int | None:
-    """Bytes of memory this process can still take: MemAvailable, bounded by a cgroup v2 limit; None if unknown."""
-    try:
-        avail = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                     if line.startswith("MemAvailable:"))
-    except (OSError, ValueError, StopIteration):
-        return None
-    try:
-        limit, used = ((Path("/sys/fs/cgroup") / f).read_text().strip() for f in ("memory.max", "memory.current"))
-        if limit != "max":
-            avail = min(avail, int(limit) - int(used))
-    except (OSError, ValueError):
-        pass
-    return avail
-
-
-def calibration_ids(source, recipe, options: ConvertOptions, stage, timings: dict):
-    """The calibration token ids [num_samples, seq_len] (None when the recipe needs none) and their manifest entry."""
+def calibration_for(source, recipe, options, stage, timings: dict):
+    """The calibration token ids [num_samples, seq_len] of a run (None when the recipe needs none), drawn with
+    qtk.calib.calibration_ids from the recipe's and the options' settings or given as options.calib_ids, and their
+    manifest entry."""
     import torch
 
     from qtk.calib import ChatTemplate, calibration_ids as draw_windows, ids_hash, load_texts
@@ -82,7 +73,7 @@ def calibration_ids(source, recipe, options: ConvertOptions, stage, timings: dic
         if any(v is not None for k, v in options.calibration_given.items() if k != "calib_ids"):
             raise UsageError("calib_ids is given together with calib / num_samples / seq_len / seed / text_field / split",
                              "give either pre-tokenized calib_ids or the options that make them, not both")
-        vocab = getattr(source.config, "vocab_size", None)
+        vocab = getattr(source.config.get_text_config(), "vocab_size", None)
         if vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise UsageError(f"calib_ids holds ids outside the model's vocabulary [0, {vocab})", "tokenize with this model's tokenizer")
         ids = ids.long()

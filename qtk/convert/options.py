@@ -35,9 +35,14 @@ class ConvertOptions:
     device: str | None = "cpu"  # auto | cpu | cuda | cuda:N (qtk.pipeline.device.parse_device)
     max_device_memory: int | None = None  # bytes of calibration activations kept on the device; the rest spill to host
     overlap: bool = True  # read layer i+1 and write layer i in background threads while layer i computes
+    verify_engine: str | None = None  # "vllm": run each output that engine loads in it, against qtk's simulation
+    # further names in OUT the caller writes after the conversion (convert --gate's reports): checked with the
+    # outputs before any work
+    also_writes: Sequence[str] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(dict.fromkeys(self.targets or ["vllm"])))
+        object.__setattr__(self, "also_writes", tuple(self.also_writes))
         if self.tp < 1 or self.pp < 1:
             raise UsageError(f"--tp and --pp must be >= 1 (got tp={self.tp}, pp={self.pp})", "use e.g. --tp 2")
         for flag, v, least, example in (("--num-samples", self.num_samples, 1, 64), ("--seq-len", self.seq_len, 2, 256),
@@ -49,6 +54,21 @@ class ConvertOptions:
         from qtk.pipeline.device import parse_device
 
         parse_device(self.device)  # a GPU asked for where none is visible is refused before any file is opened
+        if self.verify_engine is not None:
+            from qtk.eval.engine_check import ENGINE_TARGETS
+
+            if self.verify_engine not in ENGINE_TARGETS:
+                raise UsageError(f"--verify-engine {self.verify_engine}: qtk runs checkpoints in vllm only",
+                                 "use --verify-engine vllm")
+            if not set(self.targets) & set(ENGINE_TARGETS[self.verify_engine]):
+                raise UsageError(f"--verify-engine {self.verify_engine} runs the {' or '.join(ENGINE_TARGETS[self.verify_engine])} "
+                                 f"output, and no such target is written ({', '.join(self.targets)})",
+                                 f"add --target {ENGINE_TARGETS[self.verify_engine][0]}")
+            from qtk.eval.engines import vllm_available
+
+            ok, why = vllm_available()
+            if not ok:
+                raise UsageError(f"--verify-engine vllm: {why}", "install vLLM (make engine-env) or leave --verify-engine out")
         if self.max_shard_bytes < 1:
             raise UsageError(f"--max-shard-size must be positive (got {self.max_shard_bytes} bytes)", "use e.g. --max-shard-size 5GB")
 

@@ -3,54 +3,38 @@
 OUT is created if absent (and removed again on failure only then), locked for the whole run (a second run on
 the same OUT stops at once, naming the first), and swept of what killed runs left; each target is written to
 `OUT/.<target>.qtk-tmp-<pid>` and renamed to `OUT/<target>` only when complete (commit), or removed (rollback).
-Before any of that, `check_paths` refuses every layout where replacing or deleting one of these paths could touch
-the source model, and `final_paths` an output that exists without --overwrite. `write_error` turns a full disk or a
-refused write into the user's one-line error.
+Before any of that, `final_paths` runs the output check every command that writes shares
+(`qtk.io.outdir.check_output`: nothing qtk replaces or removes may touch the source model, no link at a name qtk
+owns, names it can write) and refuses an output that exists without --overwrite. `write_error` turns a full disk
+or a refused write into the user's one-line error.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import re
 import shutil
 from pathlib import Path
 
 from qtk.convert.resume import STATE_DIR
 from qtk.errors import UsageError
-from qtk.io import faults
+from qtk.io import faults, outdir
 from qtk.io.atomic import fsync_dir
-from qtk.io.lock import DirLock, LockHeld
-
-LOCK = ".qtk-lock"
-# what a killed run leaves in OUT: .<target>.qtk-tmp-PID (being written), .<target>.qtk-old-PID (an old output
-# moved aside while committing), .qtk-resume.tmp-PID (resume state being created)
-LEFTOVER = re.compile(r"^\.(?:.+\.qtk-(?:tmp|old)|qtk-resume\.tmp)-(\d+)$")
+from qtk.io.outdir import LEFTOVER, LOCK, OutDir
 
 
-def check_paths(source: Path, out: Path, targets) -> None:
-    """Refuse (exit 2), before any work, an OUT whose <target> or resume state is, contains or lies inside the
-    source model (symlinks resolved): --overwrite would delete the model, --resume could remove it as stale state."""
-    src = Path(source).resolve()
-    out_abs = Path(out).resolve()
-    fix = "write the output somewhere else; qtk never modifies its input"
-    if out_abs == src or src in out_abs.parents:
-        raise UsageError(f"output {out} is inside the model directory", fix)
-    for p in [Path(out) / t for t in targets] + [Path(out) / STATE_DIR]:
-        real = p.resolve()
-        if real == src:
-            raise UsageError(f"output {p} is the model directory itself", fix)
-        if real in src.parents:
-            raise UsageError(f"output {p} contains the model directory {source}", fix)
-        if src in real.parents:
-            raise UsageError(f"output {p} is inside the model directory", fix)
+def owned_names(targets, extra=()) -> list[str]:
+    """What a conversion writes in OUT: its targets, its lock and resume state, and `extra` (convert --gate's
+    reports)."""
+    return [*targets, STATE_DIR, LOCK, *extra]
 
 
-def final_paths(source, out: Path, targets, overwrite: bool) -> dict[str, Path]:
-    """OUT/<target> for each target, after refusing what could overwrite an output or the source model."""
+def final_paths(source, out: Path, targets, overwrite: bool, extra=()) -> dict[str, Path]:
+    """OUT/<target> for each target, after refusing what could overwrite an output or the source model, or write
+    through a link (extra: further names the caller writes in OUT)."""
+    outdir.check_output(source.path, out, owned_names(targets, extra))
     if out.exists() and not out.is_dir():
         raise UsageError(f"output {out} is a file", "-o names a directory (each target goes to OUT/<target>/): choose another path")
-    check_paths(source.path, out, targets)
     finals = {t: out / t for t in targets}
     for t, final in finals.items():
         if os.path.lexists(final) and not overwrite:
@@ -98,28 +82,17 @@ class OutputContext:
         self.pid = os.getpid()
         self.tmps = {t: self.out / f".{t}.qtk-tmp-{self.pid}" for t in targets}
         self.finals = {t: self.out / t for t in targets}
-        self.created: list[Path] = []  # directories this run made, deepest first: removed again on failure
-        self.lock = DirLock(self.out, LOCK)
+        self.dir = OutDir(self.out)  # creates OUT (removed again on failure if it made it) and holds its lock
 
     def open(self) -> None:
+        self.dir.open()
         try:
-            p = self.out
-            while not os.path.lexists(p):
-                self.created.append(p)
-                p = p.parent
-            self.out.mkdir(parents=True, exist_ok=True)
-            try:
-                self.lock.acquire()
-            except LockHeld as e:
-                who = f"qtk (PID {e.holder})" if e.holder.isdigit() else "another qtk run"
-                raise UsageError(f"{who} is writing to {self.out}", "wait for it to finish, or choose another -o") from None
             for t, final in self.finals.items():  # again under the lock: another run may have finished meanwhile
                 if os.path.lexists(final) and not self.overwrite:
                     raise UsageError(f"output {final} already exists", "pass --overwrite to replace it, or choose another -o")
             self.sweep()
-            for d in self.tmps.values():
-                shutil.rmtree(d, ignore_errors=True)  # this PID's own, from a dead run that had it before
-                d.mkdir()
+            for d in self.tmps.values():  # new and empty (this PID's own, from a dead run that had it before, removed)
+                outdir.fresh_dir(self.out, d.name)
         except OSError as e:
             self.rollback()
             raise UsageError(f"cannot write to {self.out} ({e.strerror})", "choose a writable output directory with -o") from None
@@ -128,21 +101,27 @@ class OutputContext:
             raise
 
     def sweep(self) -> None:
-        """Remove what killed runs left in OUT, only where their PID is gone (or is ours, from an earlier life)."""
+        """Remove what killed runs left in OUT, only where their PID is gone (or is ours, from an earlier life); a
+        link at such a name, or a number that is no PID, is not qtk's and stays."""
         for p in self.out.iterdir():
             m = LEFTOVER.match(p.name)
-            if not m or (int(m.group(1)) != self.pid and _pid_alive(int(m.group(1)))):
+            if not m or not outdir.is_pid(m.group(1)) or p.is_symlink():
                 continue
-            if p.is_dir() and not p.is_symlink():
-                real = p.resolve()
-                if real != self.source and real not in self.source.parents:
-                    shutil.rmtree(p, ignore_errors=True)
+            if int(m.group(1)) != self.pid and _pid_alive(int(m.group(1))):
+                continue
+            real = p.resolve()
+            if real != self.source and real not in self.source.parents:
+                outdir.remove_tree(self.out, p.name)
 
     def commit(self, t: str) -> None:
-        """Rename target t's finished directory into place, replacing an old output (after moving it aside)."""
+        """Rename target t's finished directory into place, replacing an old output (after moving it aside). A
+        link planted at either name since the check before any work is refused, not replaced."""
         tmp, final = self.tmps[t], self.finals[t]
         if os.path.lexists(final):
+            if not final.is_dir() or final.is_symlink():
+                raise outdir.refusal(final)
             trash = self.out / f".{t}.qtk-old-{self.pid}"
+            outdir.remove_tree(self.out, trash.name)  # this PID's own name; a link there is refused
             faults.fault_point("commit: move the old output aside")
             os.replace(final, trash)
             faults.fault_point("commit: rename the new output into place")
@@ -158,14 +137,10 @@ class OutputContext:
         """After a failure: remove this run's temporary directories, release OUT, and remove the directories
         this run created if they are empty (a directory that was there before stays, even when empty)."""
         for d in self.tmps.values():
-            shutil.rmtree(d, ignore_errors=True)
-        self.lock.release()
-        for d in self.created:
-            try:
-                d.rmdir()
-            except OSError:
-                break
+            if not d.is_symlink():
+                shutil.rmtree(d, ignore_errors=True)
+        self.dir.rollback()
 
     def close(self) -> None:
         self.sweep()
-        self.lock.release()
+        self.dir.close()

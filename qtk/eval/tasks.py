@@ -14,8 +14,10 @@ import random
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from qtk.bounds import MAX_YAML_BYTES, bounded_lines, format_problem, load_yaml, parse_json, pattern_problem, read_text
+from qtk.bounds import search as bounded_search
 from qtk.errors import UsageError
 from qtk.validation import check_keys
 
@@ -174,6 +176,10 @@ def parse_task(d: Any, where: str, defaults: Mapping, base_dir: Path) -> TaskSpe
         if not ok:
             raise UsageError(f"{where}.fields.{k}: expected a column name or '{{column}}' template, got {v!r}",
                              "write e.g. 'prompt: \"Question: {question}\\nAnswer:\"'")
+        for src in v if isinstance(v, list) else [v]:
+            problem = format_problem(src) if "{" in src else None
+            if problem:  # filled once per row: '{prompt:>1500000000}' asks for 1.5 GB of padding per example
+                raise UsageError(f"{where}.fields.{k}: {problem}", "use plain '{column}' fields in templates")
     metric = merged.get("metric") or METRICS[typ][0]
     if metric not in METRICS[typ]:
         raise UsageError(f"{where}.metric: '{metric}' is not a {typ} metric", f"choose one of {', '.join(METRICS[typ])}")
@@ -183,9 +189,13 @@ def parse_task(d: Any, where: str, defaults: Mapping, base_dir: Path) -> TaskSpe
             raise UsageError(f"{where}.regex: only generate tasks extract answers", "remove regex")
         try:
             re.compile(regex)
-        except re.error as e:
+        except (re.error, OverflowError, RecursionError) as e:
             raise UsageError(f"{where}.regex: invalid regular expression ({e})",
                              "fix the pattern; its first group (or whole match) is the answer") from None
+        problem = pattern_problem(regex)
+        if problem:  # it is searched in every generated text
+            raise UsageError(f"{where}.regex: the pattern is refused: {problem}",
+                             "extract the answer without nested repetition, e.g. '(-?\\d+)'")
     stop = merged.get("stop", ["\n"])
     if isinstance(stop, str):
         stop = [stop]
@@ -221,7 +231,10 @@ def load_task_file(path: str | Path) -> TaskFile:
     if not p.is_file():
         raise UsageError(f"task file {p} does not exist", "give a YAML task file (see docs/eval.md), e.g. --tasks examples/tasks.yaml")
     try:
-        doc = yaml.safe_load(p.read_text())
+        doc = load_yaml(read_text(p, MAX_YAML_BYTES, f"task file {p}", "a task file describes tasks; their examples go in "
+                                  "data files (data: x.jsonl)"), f"task file {p.name}")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"task file {p} is not UTF-8 text (byte {e.start})", "re-save it as UTF-8 YAML") from None
     except yaml.YAMLError as e:
         raise UsageError(f"task file {p} is not valid YAML ({str(e).splitlines()[0]})", "fix the YAML syntax") from None
     check_keys(doc, ("version", "defaults", "agreement", "tasks"), p.name)
@@ -250,23 +263,71 @@ def load_task_file(path: str | Path) -> TaskFile:
 
 # ---------------------------------------------------------------------------------------------- sources
 
-def _read_jsonl(path: Path, where: str) -> list[dict]:
-    if not path.is_file():
-        raise UsageError(f"{where}: data file {path} does not exist", "paths are relative to the task file's directory")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise UsageError(f"{where}: {path.name} line {n} is not valid JSON", "write one JSON object per line") from None
-            if not isinstance(row, dict):
-                raise UsageError(f"{where}: {path.name} line {n} is not a JSON object", "write one JSON object per line")
-            rows.append(row)
-    return rows
+class _JsonlRows(Sequence):
+    """The rows of a .jsonl data file, indexed by their byte offsets and read back one at a time: a task that
+    evaluates 5 examples of a large file holds those 5 (and an offset per row), not every row as a dict.
+    Every row is parsed once while indexing and handed to `check`, so a bad row anywhere is still refused."""
+
+    def __init__(self, path: Path, where: str, check=None):
+        from array import array
+
+        from qtk.calib import MAX_ROW_BYTES
+
+        if not path.is_file():
+            raise UsageError(f"{where}: data file {path} does not exist", "paths are relative to the task file's directory")
+        self.path, self.where = path, where
+        self._starts, self._ends = array("q"), array("q")
+        def too_long(n):
+            return UsageError(f"{where}: {path.name} line {n} is longer than {MAX_ROW_BYTES // 2**20} MiB",
+                              "an example is a few KB: split the file's rows")
+
+        with open(path, "rb") as f:
+            for offset, n, line in bounded_lines(f, MAX_ROW_BYTES, too_long):
+                if line.strip():
+                    row = self._parse(line, n)
+                    if check is not None:
+                        check(row, len(self._starts))
+                    self._starts.append(offset)
+                    self._ends.append(offset + len(line))
+
+    def _parse(self, line: bytes, n: int) -> dict:
+        try:
+            row = parse_json(line.decode("utf-8"))
+        except ValueError:  # JSONDecodeError, not UTF-8, nested past the parser's stack
+            raise UsageError(f"{self.where}: {self.path.name} line {n} is not valid JSON", "write one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"{self.where}: {self.path.name} line {n} is not a JSON object", "write one JSON object per line")
+        return row
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i: int) -> dict:
+        with open(self.path, "rb") as f:
+            f.seek(self._starts[i])
+            return self._parse(f.read(self._ends[i] - self._starts[i]), i + 1)
 
 
-def _read_dataset(spec: TaskSpec, split: str) -> list[dict]:
+class _Mapped(Sequence):
+    """Rows mapped to a task's fields (`_map_row`) when they are read: only the examples drawn are kept."""
+
+    def __init__(self, rows, spec: "TaskSpec", origin: str):
+        self.rows, self.spec, self.origin = rows, spec, origin
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return _map_row(dict(self.rows[i]), self.spec, i, self.origin)
+
+
+def _data_rows(path: Path, spec: "TaskSpec", where: str) -> _Mapped:
+    """A .jsonl data file's rows as the task's examples, every row checked while indexing, none kept."""
+    rows = _JsonlRows(path, where, check=lambda row, i: _map_row(row, spec, i, path.name))
+    return _Mapped(rows, spec, path.name)
+
+
+def _read_dataset(spec: TaskSpec, split: str):
     import datasets
 
     p = Path(spec.dataset)
@@ -288,7 +349,7 @@ def _read_dataset(spec: TaskSpec, split: str) -> list[dict]:
         raise UsageError(f"{where}: cannot load dataset '{spec.dataset}' split '{split}' ({e.__class__.__name__}: "
                          f"{str(e).splitlines()[0][:200] if str(e) else ''})",
                          "check the id, config and split and the network, or save it locally with save_to_disk") from None
-    return [dict(r) for r in ds]
+    return ds  # rows are read (and mapped) as they are drawn: a dataset on disk stays on disk
 
 
 def _lm_eval_rows(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
@@ -419,27 +480,27 @@ def prepare(spec: TaskSpec, *, limit: int | None = None, seed: int | None = None
     limit = limit if limit is not None else spec.limit
     where = f"task '{spec.name}'"
     pool: list[dict] | None = None
+    # rows and pools are sequences read on demand: the draws below pick indices, and only the picked rows are read
+    # (the same draws, with the same seed, as on lists of every row)
     if spec.data:
         path = Path(spec.base_dir) / spec.data
         if path.suffix != ".jsonl":
             raise UsageError(f"{where}.data: {spec.data} is not a .jsonl file",
                              "use data: for .jsonl files and dataset: for dataset directories or ids")
-        rows = [_map_row(r, spec, i, path.name) for i, r in enumerate(_read_jsonl(path, where))]
+        rows = _data_rows(path, spec, where)
     elif spec.dataset:
-        rows = [_map_row(r, spec, i, spec.dataset) for i, r in enumerate(_read_dataset(spec, spec.split))]
+        rows = _checked(_Mapped(_read_dataset(spec, spec.split), spec, spec.dataset))
         if spec.fewshot_split:
-            pool = [_map_row(r, spec, i, f"{spec.dataset}[{spec.fewshot_split}]")
-                    for i, r in enumerate(_read_dataset(spec, spec.fewshot_split))]
+            pool = _checked(_Mapped(_read_dataset(spec, spec.fewshot_split), spec, f"{spec.dataset}[{spec.fewshot_split}]"))
     else:
         rows, lm_pool = _lm_eval_rows(spec)
         pool = lm_pool or None
     if spec.fewshot_data:
-        fp = Path(spec.base_dir) / spec.fewshot_data
-        pool = [_map_row(r, spec, i, fp.name) for i, r in enumerate(_read_jsonl(fp, where))]
-    if not rows:
+        pool = _data_rows(Path(spec.base_dir) / spec.fewshot_data, spec, where)
+    if not len(rows):
         raise UsageError(f"{where}: no examples", "check the data file or dataset split")
     rng = random.Random(f"{spec.name}:{seed}")
-    evals = list(rows)
+    evals = list(range(len(rows)))
     shots: list[dict] = []
     if spec.num_fewshot:
         if pool is None:  # draw from the task's own examples and keep them out of the evaluated ones
@@ -448,7 +509,8 @@ def prepare(spec: TaskSpec, *, limit: int | None = None, seed: int | None = None
                                  "lower num_fewshot or give fewshot_data")
             picked = sorted(rng.sample(range(len(rows)), spec.num_fewshot))
             shots = [rows[i] for i in picked]
-            evals = [r for i, r in enumerate(rows) if i not in set(picked)]
+            chosen = set(picked)
+            evals = [i for i in evals if i not in chosen]
         else:
             if spec.num_fewshot > len(pool):
                 raise UsageError(f"{where}: num_fewshot {spec.num_fewshot} but the few-shot pool has {len(pool)} examples",
@@ -459,7 +521,14 @@ def prepare(spec: TaskSpec, *, limit: int | None = None, seed: int | None = None
     if limit is not None:
         evals = evals[:limit]
     prefix = "".join(_shot(s, spec) + spec.fewshot_delimiter for s in shots)
-    return PreparedTask(spec, evals, prefix)
+    return PreparedTask(spec, [rows[i] for i in evals], prefix)
+
+
+def _checked(rows: "_Mapped") -> "_Mapped":
+    """Every row mapped once (a bad row anywhere refused, as for a data file), one at a time, none kept."""
+    for i in range(len(rows)):
+        rows[i]
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- scoring text
@@ -468,7 +537,7 @@ def extract(text: str, spec: TaskSpec) -> str:
     """The answer in a generated (or reference) text: the regex's first group, or its whole match, or the
     stripped text; '[no match]' when the regex does not match (so no match never equals a reference)."""
     if spec.regex:
-        m = re.search(spec.regex, text)
+        m = bounded_search(spec.regex, text)
         if not m:
             return "[no match]"
         text = m.group(1) if m.groups() else m.group(0)

@@ -114,9 +114,10 @@ class WriteBack:
 
 
 def write_text(p: Path, text: str) -> str:
-    """Write `text` to `p`, flushed to disk; returns the sha256 of the bytes written."""
+    """Write `text` to the new file `p` (never through a link or into a file that is there), flushed to disk;
+    returns the sha256 of the bytes written."""
     data = text.encode()
-    with open(p, "wb") as f:
+    with open(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

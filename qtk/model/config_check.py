@@ -8,6 +8,9 @@ in microseconds instead of building millions of layers from it.
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import Mapping
 
 from qtk.errors import UsageError
@@ -23,6 +26,8 @@ MAX_INTERMEDIATE = 1 << 20
 MAX_EXPERTS = 1 << 14
 MAX_POSITIONS = 1 << 30
 MAX_PARAMS = 10**14  # ~50x the largest published model
+MAX_CONFIG_BYTES = 16 * 2**20  # real config.json files are a few KB; a multimodal one with a vocabulary map < 1 MB
+MAX_CONFIG_LIST = 1 << 17  # entries of any list in a config (rope factors, token ids, image grids are far fewer)
 
 # key -> (ceiling, smallest allowed value): 1 for sizes every model has, 0 for counts that may be absent (0 = none)
 TEXT_SIZES: dict[str, tuple[int, int]] = {
@@ -49,6 +54,45 @@ VISION_SIZES: dict[str, tuple[int, int]] = {
     "in_channels": (MAX_HEAD_DIM, 1), "num_channels": (MAX_HEAD_DIM, 1), "out_hidden_size": (MAX_HIDDEN, 1),
 }
 FIX = "restore the model's original config.json"
+DTYPE_NAMES = {"bfloat16", "float16", "float32", "bf16", "fp16", "half", "fp32", "float"}  # as qtk plan reads them
+
+# float settings every model keeps in a narrow range: (lowest, highest, whether the lowest itself is allowed); a value
+# outside it (an epsilon of 0 or Infinity, a negative rope base) is no model's and would surface only as NaN after
+# the whole conversion
+FLOAT_RANGES: dict[str, tuple[float, float, bool]] = {
+    "rms_norm_eps": (0.0, 1.0, False), "layer_norm_eps": (0.0, 1.0, False), "layer_norm_epsilon": (0.0, 1.0, False),
+    "norm_eps": (0.0, 1.0, False), "norm_epsilon": (0.0, 1.0, False),
+    "rope_theta": (0.0, 1e15, False), "partial_rotary_factor": (0.0, 1.0, False),
+    "attention_dropout": (0.0, 1.0, True), "hidden_dropout": (0.0, 1.0, True),
+    "initializer_range": (0.0, 1e3, True),
+    "final_logit_softcapping": (0.0, 1e6, False), "attn_logit_softcapping": (0.0, 1e6, False),
+    "query_pre_attn_scalar": (0.0, 1e9, False), "factor": (0.0, 1e6, False),
+}
+
+
+def read_config_json(f: Path) -> dict:
+    """A model's config.json as a dict, refused (UsageError, exit 2) when it is larger than MAX_CONFIG_BYTES, not
+    UTF-8 JSON (nesting deeper than the parser follows included), or not an object. Shared by qtk convert (through
+    ModelSource) and qtk plan."""
+    from qtk.bounds import parse_json
+
+    try:
+        size = f.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise UsageError(f"{f} is {size:,} bytes, more than the {MAX_CONFIG_BYTES // 2**20} MiB qtk reads for a "
+                             "config.json", FIX)
+        cfg = parse_json(f.read_bytes()[: MAX_CONFIG_BYTES + 1])
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{f} is not valid JSON ({e.__class__.__name__}: {e})", FIX) from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{f} is not UTF-8 text (byte {e.start}), so not a config.json", FIX) from None
+    except ValueError as e:  # nesting the parser cannot follow, an integer of more than 4300 digits
+        raise UsageError(f"{f} cannot be parsed ({' '.join(str(e).split())[:120]})", FIX) from None
+    except OSError as e:
+        raise UsageError(f"cannot read {f} ({e.strerror or e})", "check the path and its permissions") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{f} is not a JSON object", FIX)
+    return cfg
 
 
 def _show(v) -> str:
@@ -80,6 +124,33 @@ def _check_sizes(d: Mapping, sizes: Mapping[str, tuple[int, int]], where: str) -
             raise UsageError(f"{where}: {key} is {_show(v)}, far more than any real model (at most {ceiling:,} accepted)", FIX)
 
 
+def _check_values(cfg: Mapping, layers, where: str) -> None:
+    """Every number finite, known float settings in range, every list of a length a model can have: a per-layer list
+    (a key naming layers: layer_types, mlp_only_layers, ...) at most one entry per layer, any other at most
+    MAX_CONFIG_LIST: a config is read whole, rewritten into every output, and per-layer lists are expanded per layer."""
+    most = layers if isinstance(layers, int) and not isinstance(layers, bool) and 0 < layers <= MAX_LAYERS else MAX_LAYERS
+    stack: list[tuple[str, object]] = [("", cfg)]
+    while stack:
+        path, v = stack.pop()
+        key = path.rpartition(".")[2]
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UsageError(f"{where}: {path} is {v}, not a finite number", FIX)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and key in FLOAT_RANGES:
+            lo, hi, closed = FLOAT_RANGES[key]
+            if not ((lo <= v if closed else lo < v) and v <= hi):
+                side = "[" if closed else "("
+                raise UsageError(f"{where}: {path} is {_show(v)}, outside {side}{lo:g}, {hi:g}], where every model "
+                                 "keeps it", FIX)
+        if isinstance(v, list):
+            limit = most if "layer" in key else MAX_CONFIG_LIST
+            if len(v) > limit:
+                what = f"{limit:,} (one per layer)" if "layer" in key else f"{limit:,}"
+                raise UsageError(f"{where}: {path} has {len(v):,} entries, more than {what}", FIX)
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v) if isinstance(x, (list, dict, float, int)))
+        elif isinstance(v, Mapping):
+            stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in v.items())
+
+
 def check_config_sizes(cfg: Mapping, where: str = "config.json") -> None:
     """Refuse (UsageError, exit 2) a config whose sizes are not positive integers, exceed any real model, or
     contradict each other. Only keys that are present are checked; a missing key is the caller's concern."""
@@ -92,6 +163,11 @@ def check_config_sizes(cfg: Mapping, where: str = "config.json") -> None:
     _check_sizes(t, TEXT_SIZES, where)
     if isinstance(cfg.get("vision_config"), Mapping):
         _check_sizes(cfg["vision_config"], VISION_SIZES, f"{where}: vision_config")
+    _check_values(cfg, _first(t, "num_hidden_layers", "n_layer", "num_layers"), where)
+    for key in ("dtype", "torch_dtype"):  # the weights' dtype: named in every output's config and serving flags
+        v = t.get(key)
+        if v is not None and not (isinstance(v, str) and v.lower().removeprefix("torch.") in DTYPE_NAMES):
+            raise UsageError(f"{where}: {key} is {_show(v)}, not a dtype qtk converts from (bfloat16, float16, float32)", FIX)
 
     hidden = _first(t, "hidden_size", "n_embd", "d_model")
     heads = _first(t, "num_attention_heads", "n_head")

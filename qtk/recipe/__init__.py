@@ -2,9 +2,9 @@
 algorithm step (params.py), and reading recipe files (load.py)."""
 
 from qtk.quant.scheme import FP8_MAX, QuantScheme
-from qtk.recipe.load import RECIPES_DIR, builtin_recipes, load_recipe
+from qtk.recipe.load import RECIPES_DIR, builtin_recipes, load_recipe, parse_recipe_text
 from qtk.recipe.rules import ModuleScheme, Override, matches
-from qtk.recipe.schema import TOP_KEYS, Calibration, Recipe, Step, parse_recipe, parse_scheme
+from qtk.recipe.schema import TOP_KEYS, Calibration, Recipe, Step, checked_scheme, parse_recipe, parse_scheme
 
-__all__ = ["FP8_MAX", "QuantScheme", "RECIPES_DIR", "builtin_recipes", "load_recipe", "ModuleScheme", "Override",
-           "matches", "TOP_KEYS", "Calibration", "Recipe", "Step", "parse_recipe", "parse_scheme"]
+__all__ = ["FP8_MAX", "QuantScheme", "RECIPES_DIR", "builtin_recipes", "load_recipe", "parse_recipe_text", "ModuleScheme",
+           "Override", "matches", "TOP_KEYS", "Calibration", "Recipe", "Step", "checked_scheme", "parse_recipe", "parse_scheme"]

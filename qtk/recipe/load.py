@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qtk.bounds import MAX_YAML_BYTES, load_yaml, read_text
 from qtk.errors import UsageError
 from qtk.recipe.schema import Recipe, parse_recipe
 
@@ -44,8 +45,6 @@ def builtin_recipes() -> dict[str, Path]:
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """Load a built-in recipe by name, or any YAML file by path."""
-    import yaml
-
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
         if p.is_dir():
@@ -59,16 +58,24 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             raise UsageError(f"unknown recipe {str(name_or_path)!r}", f"built-in recipes: {', '.join(known)}; or give a path to a YAML file")
         path = known[str(name_or_path)]
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, MAX_YAML_BYTES, f"recipe {path.name}", "a recipe is a few lines of YAML: give the right file")
     except UnicodeDecodeError as e:
         raise UsageError(f"recipe {path.name} is not UTF-8 text (byte {e.start})", "re-save it as UTF-8 YAML") from None
+    return parse_recipe_text(text, path.name)
+
+
+def parse_recipe_text(text: str, origin: str) -> Recipe:
+    """A recipe from its YAML text (a file's, or the one a checkpoint's qtk.json records): keys given twice and
+    aliases that expand past qtk.bounds.MAX_YAML_NODES are refused, like the schema's errors, naming `origin`."""
+    import yaml
+
     try:
-        doc = yaml.load(text, Loader=_strict_loader())
+        doc = load_yaml(text, f"recipe {origin}", _strict_loader())
     except _DuplicateKey as e:
-        raise UsageError(f"recipe {path.name}: key {e.key!r} appears twice in one mapping (line {e.line})",
+        raise UsageError(f"recipe {origin}: key {e.key!r} appears twice in one mapping (line {e.line})",
                          "keep one; YAML would silently use the last") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"recipe {path.name}: not valid YAML{at}", "fix the syntax (indentation, colons, brackets)") from None
-    return parse_recipe(doc, text=text, origin=path.name)
+        raise UsageError(f"recipe {origin}: not valid YAML{at}", "fix the syntax (indentation, colons, brackets)") from None
+    return parse_recipe(doc, text=text, origin=origin)

@@ -1,6 +1,8 @@
 """The algorithm steps a recipe may list: each step's parameters as a frozen dataclass, declared with what the recipe
 parser needs to validate a step list (light: no torch import) — its phase, whether it is the recipe's solver, what
-it conflicts with, whether it needs data.
+it conflicts with, whether it needs data — and what the rest of qtk asks of a step without naming it: what it costs
+a conversion (`cost`, for qtk plan) and whether it changes the frame the weights are quantized in
+(`changes_frame`: the loop and the checks then rebuild the reference weight through the step's record).
 
 The recipe loader validates a step's YAML mapping against the dataclass registered here; the step's implementation
 (qtk.steps, registered under the same name) reads its parameters from the same dataclass.
@@ -13,6 +15,7 @@ from enum import IntEnum
 from typing import Any, Mapping
 
 from qtk.errors import UsageError
+from qtk.registry import Registry
 
 
 class Phase(IntEnum):
@@ -24,25 +27,81 @@ class Phase(IntEnum):
     SOLVE = 3
 
 
-STEP_PARAMS: dict[str, type] = {}
+STEP_PARAMS = Registry("recipe step")  # name -> its parameters dataclass
 
 
-def register_step(name: str, *, phase: Phase, solver: bool = False, conflicts: Mapping[str, str] | None = None,
+@dataclass(frozen=True)
+class InputGroup:
+    """The quantized Linears of one decoder layer that read one input (q/k/v, gate/up), as the planner counts them
+    from config.json: their input width, their output rows together (experts counted), and how many copies of the
+    group a layer holds (MoE experts: each expert sees its own tokens)."""
+
+    layer: int
+    width: int
+    rows: int
+    copies: int = 1
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the planner knows of a conversion when it asks a step for its cost: the decoder layers, the parameters of
+    one layer's Linears, the calibration tokens, the quantized Linears' input groups, the widest Linear input."""
+
+    layers: int
+    layer_params: float
+    tokens: int
+    groups: tuple[InputGroup, ...]
+    widest: int
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one step adds to a conversion (qtk.plan.convert_cost, qtk.plan.memory): forward passes of each layer over
+    the calibration tokens, further forward FLOPs, solver FLOPs, bytes reduced between processes, and the state it
+    holds beside one layer (`memory` bytes under `memory_key`, which the plan shows as `memory_label`)."""
+
+    input_passes: int = 0
+    forward_flops: float = 0.0
+    solve_flops: float = 0.0
+    reduce_bytes: float = 0.0
+    memory: int = 0
+    memory_key: str = ""
+    memory_label: str = ""
+    memory_note: str = ""
+
+
+class StepParams:
+    """What every step's parameters declare beyond their fields: whether the step looks at calibration data, whether
+    it changes the frame the weights are quantized in (a smoothing or a rotation: the reference of the weight error
+    is then the source weight put through the step's record, qtk.steps.records), and its cost."""
+
+    needs_data = False
+    changes_frame = False
+
+    def cost(self, model: ModelCost) -> StepCost:
+        """A step that looks at data observes each layer's inputs once; override what it adds beyond that."""
+        return StepCost(input_passes=1 if self.needs_data else 0)
+
+
+def declare_step(name: str, *, phase: Phase, solver: bool = False, conflicts: Mapping[str, str] | None = None,
                   title: str | None = None):
-    """Declare a recipe step on its parameters dataclass (which also says `needs_data`).
+    """Declare a recipe step on its parameters dataclass (which also says `needs_data`); its implementation registers
+    under the same name with qtk.steps.registry.register_step.
 
     solver: the step decides how the weights are rounded, and a recipe lists exactly one solver, last (rtn, gptq;
     awq, a transform whose weights round-to-nearest then rounds). conflicts: {other step: why}, a pair a recipe may
     not list together. title: how messages name it."""
 
     def deco(cls):
+        for attr in ("needs_data", "changes_frame", "cost"):  # what a class that is no StepParams leaves out
+            if not hasattr(cls, attr):
+                setattr(cls, attr, getattr(StepParams, attr))
         cls.step_name = name
         cls.phase = phase
         cls.solver = solver
         cls.conflicts = dict(conflicts or {})
         cls.title = title or name
-        STEP_PARAMS[name] = cls
-        return cls
+        return STEP_PARAMS.add(name, cls)
 
     return deco
 
@@ -69,9 +128,9 @@ def check_steps(names: list[str], origin: str) -> None:
                 raise UsageError(f"{origin}: {a} and {b} {why}", "use one of them")
 
 
-@register_step("rtn", phase=Phase.SOLVE, solver=True, title="RTN")
+@declare_step("rtn", phase=Phase.SOLVE, solver=True, title="RTN")
 @dataclass(frozen=True)
-class RTNParams:
+class RTNParams(StepParams):
     """Round-to-nearest with the scheme's observer (min-max or MSE grid)."""
 
     needs_data = False
@@ -84,9 +143,9 @@ class RTNParams:
 ACTORDER = {"static": "static", "weight": "static", "group": "group", "dynamic": "group", "false": None, "none": None}
 
 
-@register_step("gptq", phase=Phase.SOLVE, solver=True, title="GPTQ")
+@declare_step("gptq", phase=Phase.SOLVE, solver=True, title="GPTQ")
 @dataclass(frozen=True)
-class GPTQParams:
+class GPTQParams(StepParams):
     """GPTQ (Frantar et al., 2022): second-order error compensation per Linear.
 
     actorder (activation ordering; columns visited by descending diag H, the most active inputs first):
@@ -106,11 +165,26 @@ class GPTQParams:
     static_groups: bool = False
     max_damp_retries: int = 5
     # Hessians of later sub-blocks (o, gate/up, down) taken on the outputs of the already-quantized earlier
-    # ones: one partial forward per sub-block instead of one for all. Off, as in llm-compressor (measured on
-    # the tests' models and benchmarks/vs_llmcompressor.py: no accuracy difference).
+    # ones: one partial forward per sub-block instead of one for all. Off, as in llm-compressor (no accuracy
+    # difference on the tests' models: benchmarks/vs_llmcompressor.py)
     true_sequential: bool = False
 
     needs_data = True
+
+    def cost(self, model: ModelCost) -> StepCost:
+        """One in x in float32 Hessian per distinct Linear input of a layer (per expert), held for the layer with the
+        inverse being factorised; solving a group costs in³ (the Cholesky) + rows·in² (the column loop), and the
+        Hessians are summed over processes."""
+        per_layer: dict[int, int] = {}
+        for g in model.groups:
+            per_layer[g.layer] = per_layer.get(g.layer, 0) + g.width ** 2 * 4 * g.copies
+        largest = max((g.width ** 2 * 4 for g in model.groups), default=0)
+        return StepCost(input_passes=1,
+                        solve_flops=sum(g.width ** 3 + g.rows * g.width ** 2 for g in model.groups),
+                        reduce_bytes=sum(4 * g.width * g.width for g in model.groups),
+                        memory=max(per_layer.values(), default=0) + largest, memory_key="hessians",
+                        memory_label="GPTQ Hessians",
+                        memory_note="GPTQ: one in×in fp32 Hessian per distinct Linear input in a layer (per expert for MoE)")
 
     def validate(self, where: str) -> None:
         if self.block_size <= 0:
@@ -135,11 +209,6 @@ class GPTQParams:
         """Columns are visited by descending diag H."""
         return self.actorder is not None
 
-    @property
-    def group_order(self) -> bool:
-        """Groups follow the permuted column order (a g_idx when the weights are group-wise)."""
-        return self.actorder == "group"
-
 
 def gptq_actorder(value, static_groups: bool, where: str) -> str | None:
     """llm-compressor's spellings of actorder -> "static" | "group" | None; refuses what is ambiguous or contradictory."""
@@ -160,10 +229,10 @@ def gptq_actorder(value, static_groups: bool, where: str) -> str | None:
     return a
 
 
-@register_step("awq", phase=Phase.TRANSFORM, solver=True, title="AWQ",
+@declare_step("awq", phase=Phase.TRANSFORM, solver=True, title="AWQ",
                conflicts={"smoothquant": "both rescale the same channels"})
 @dataclass(frozen=True)
-class AWQParams:
+class AWQParams(StepParams):
     """AWQ (Lin et al., 2023): activation-aware per-channel scales, then a clip search."""
 
     grid: int = 20
@@ -174,6 +243,14 @@ class AWQParams:
     n_sample_tokens: int = 512
 
     needs_data = True
+    changes_frame = True
+
+    def cost(self, model: ModelCost) -> StepCost:
+        """The scale grid runs each layer's Linears over a token sample once per ratio (20, on at most 4096 tokens),
+        and the inputs of the widest Linear group are cached for it."""
+        return StepCost(input_passes=1, forward_flops=20 * 2 * model.layer_params * min(model.tokens, 4096) * model.layers,
+                        memory=model.tokens * model.widest * 4, memory_key="awq_cache", memory_label="AWQ input cache",
+                        memory_note="AWQ: the inputs of the widest Linear group cached for the scale search")
 
     def validate(self, where: str) -> None:
         if self.grid < 1 or self.clip_grid < 1:
@@ -184,18 +261,51 @@ class AWQParams:
             raise UsageError(f"{where}.n_sample_tokens: must be positive", "use e.g. 512")
 
 
-@register_step("smoothquant", phase=Phase.TRANSFORM, title="SmoothQuant")
+@declare_step("smoothquant", phase=Phase.TRANSFORM, title="SmoothQuant")
 @dataclass(frozen=True)
-class SmoothQuantParams:
+class SmoothQuantParams(StepParams):
     """SmoothQuant (Xiao et al., 2022): migrate activation outliers into weights with strength alpha."""
 
     alpha: float = 0.5
 
     needs_data = True
+    changes_frame = True
 
     def validate(self, where: str) -> None:
         if not 0 <= self.alpha <= 1:
             raise UsageError(f"{where}.alpha: must be in [0, 1], got {self.alpha}", "use e.g. 0.5 (0.8 for Llama-family)")
+
+
+@declare_step("rotate", phase=Phase.TRANSFORM, title="rotation")
+@dataclass(frozen=True)
+class RotateParams(StepParams):
+    """Offline Hadamard rotations (QuaRot, Ashkboos et al. 2024; SpinQuant's R1/R2, Liu et al. 2024), folded into
+    the weights, so the checkpoint is an ordinary one of a rotated model that computes what the source computes:
+
+      R1  the residual stream: every RMSNorm's scale folded into the Linears it feeds (the norm then scales by 1),
+          those Linears' inputs and o_proj / down_proj's outputs rotated, the embeddings and lm_head too (the
+          final norm folded into lm_head: a tied embedding is untied where that norm is not all ones)
+      R2  per attention head: v_proj's outputs and o_proj's inputs, one head_dim rotation for every head
+
+    A rotation spreads an outlier channel over all of them, so groups and per-token scales see flatter values.
+    seed: the random ±1 signs of the randomised Hadamard (recorded with the sizes in qtk.json); r2: also R2."""
+
+    seed: int = 0
+    r2: bool = True
+
+    needs_data = False
+    changes_frame = True
+    # a tied lm_head is written as a tensor of its own (qtk.plan.memory counts it)
+    unties_embeddings = True
+
+    def cost(self, model: ModelCost) -> StepCost:
+        """No data: each weight multiplied by the Hadamard factors of its widths, 2·(sum of the factors' orders)
+        FLOPs per element (576 = 36 ⊗ 16: 104; 4096 = 1024 ⊗ 4: 2056), counted as 2·1024."""
+        return StepCost(solve_flops=2.0 * 1024 * model.layer_params * model.layers)
+
+    def validate(self, where: str) -> None:
+        if not 0 <= self.seed < 2**63:
+            raise UsageError(f"{where}.seed: must be in [0, 2^63), got {self.seed}", "use e.g. 0")
 
 
 def parse_step_params(name: str, raw: Any, where: str):

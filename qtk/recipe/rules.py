@@ -8,18 +8,19 @@ otherwise the recipe's default `weights` / `activations`.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from qtk.bounds import fullmatch
 from qtk.quant.scheme import QuantScheme
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
-    """Does a module name match any target: exact name, a dotted suffix, or 're:' regex (full match)."""
+    """Does a module name match any target: exact name, a dotted suffix, or 're:' regex (full match, under
+    qtk.bounds' time budget: a pattern from a checkpoint's config reaches here unchecked)."""
     for p in patterns:
         if p.startswith("re:"):
-            if re.fullmatch(p[3:], name):
+            if fullmatch(p[3:], name):
                 return True
         elif name == p or name.endswith("." + p):
             return True

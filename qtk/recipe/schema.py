@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from qtk.errors import UsageError
+from qtk.quant.formats import FORMATS, format_claiming
 from qtk.quant.scheme import (FP8_MAX, INT_BITS, LOCAL, OBSERVERS, SCALE_DTYPES, STRATEGIES, TYPES,  # noqa: F401
-                              QuantScheme)
+                              QuantScheme, Strategy)
 from qtk.recipe.rules import ModuleScheme, Override, matches
 from qtk.validation import check_keys, suggest_key, typed  # noqa: F401 (re-exported)
 
@@ -64,100 +65,77 @@ def parse_scheme(d: Mapping, where: str, role: str) -> QuantScheme:
     return s
 
 
-def _validate_float(s: QuantScheme, where: str, role: str) -> None:
-    """Float schemes: fp8 e4m3 per tensor / channel / token, in 128x128 blocks or per token group (FP8 block);
-    fp4 e2m1 as NVFP4 (tensor_group 16) or MXFP4 (group 32, e8m0); MXFP8 (fp8, group 32, e8m0)."""
-    if s.num_bits not in (4, 8):
-        raise UsageError(f"{where}.num_bits: float quantization is fp8 (e4m3) or fp4 (e2m1), got {s.num_bits}",
-                         "set num_bits: 8 or 4")
-    if not s.symmetric:
-        raise UsageError(f"{where}.symmetric: float formats have no zero point, asymmetric {s.describe().split()[0]} is impossible",
-                         "set symmetric: true")
-    if s.scale_dtype == "e8m0":  # MXFP4 / MXFP8
-        if s.strategy != "group" or s.group_size != 32:
-            raise UsageError(f"{where}: MX formats (scale_dtype e8m0) scale blocks of 32", "use strategy: group, group_size: 32")
-        return
-    if s.num_bits == 4:
-        if s.strategy != "tensor_group" or s.group_size != 16:
-            raise UsageError(f"{where}: fp4 is NVFP4 (groups of 16 under a global scale) or MXFP4 (groups of 32, e8m0 scales)",
-                             "use 'strategy: tensor_group, group_size: 16' (NVFP4) or "
-                             "'strategy: group, group_size: 32, scale_dtype: e8m0' (MXFP4)")
-        return
-    if s.strategy == "tensor_group":
-        raise UsageError(f"{where}.strategy: tensor_group is NVFP4's (fp4)", "set num_bits: 4 or use strategy: block / channel")
-    if s.strategy == "group" and not (role == "activations" and s.dynamic is True):
-        raise UsageError(f"{where}.strategy: group-wise fp8 is not supported by the target engines (except dynamic "
-                         "per-token-group activations of FP8 block)", "use strategy: channel, tensor or block")
-
-
 def validate_scheme(s: QuantScheme, where: str, role: str) -> None:
-    """Refuse a scheme its role cannot have, naming the key and the fix."""
+    """Refuse a scheme its role cannot have, naming the key and the fix: the vocabulary every scheme shares here, the
+    rest by the number format whose family the scheme is (Format.validate, qtk.quant.formats)."""
     if s.type not in TYPES:
         raise UsageError(f"{where}.type: {s.type!r} is not a quantization type", "use 'int' or 'float'")
     if s.strategy not in STRATEGIES:
         raise UsageError(f"{where}.strategy: unknown strategy {s.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
     if s.observer not in OBSERVERS:
         raise UsageError(f"{where}.observer: unknown observer {s.observer!r}", f"use one of {', '.join(OBSERVERS)}")
-    if s.scale_dtype is not None and s.type != "float":
-        raise UsageError(f"{where}.scale_dtype: e8m0 scales are for the MX float formats", "drop scale_dtype or set type: float")
-    if s.strategy == "block":
+    fmt = format_claiming(s)
+    if s.strategy == Strategy.BLOCK:
         if s.block_structure is None:
             raise UsageError(f"{where}.block_structure: strategy 'block' needs the block shape", "add 'block_structure: [128, 128]'")
-        if not s.is_fp8 or role != "weights":
+        if fmt is None or not fmt.accepts(s) or role != "weights":
             raise UsageError(f"{where}.strategy: 'block' is for fp8 weights (FP8 block)", "use type: float, num_bits: 8 on weights")
     elif s.block_structure is not None:
         raise UsageError(f"{where}.block_structure: only meaningful with strategy 'block'", "remove block_structure or set strategy: block")
-    if s.dynamic == LOCAL and not (s.is_nvfp4 and role == "activations"):
+    if s.dynamic == LOCAL and not (fmt is not None and fmt.run_time_local and role == "activations"):
         raise UsageError(f"{where}.dynamic: 'local' (run-time group scales under a static global scale) is for NVFP4 activations",
                          "use dynamic: true or false")
-    if s.type == "float":
-        _validate_float(s, where, role)
-        if s.observer == "mse" and (s.num_bits == 4 or s.strategy == "block"):
-            raise UsageError(f"{where}.observer: the mse observer searches int / fp8 per-channel grids only",
-                             "use observer: minmax")
-    elif s.num_bits not in INT_BITS:
-        raise UsageError(f"{where}.num_bits: int{s.num_bits} is not supported", f"use one of {', '.join(map(str, INT_BITS))}")
-    elif s.strategy == "tensor_group":
-        raise UsageError(f"{where}.strategy: tensor_group is NVFP4's (fp4)", "use strategy: group for int weights")
-    if s.strategy in ("group", "tensor_group"):
+    if fmt is None:
+        _unknown_format(s, where)
+    fmt.validate(s, where, role)
+    if s.strategy in (Strategy.GROUP, Strategy.TENSOR_GROUP):
         if not s.group_size or s.group_size <= 0:
             raise UsageError(f"{where}.group_size: strategy 'group' needs a positive group_size", "add e.g. 'group_size: 128'")
     elif s.group_size is not None:
         raise UsageError(f"{where}.group_size: only meaningful with strategy 'group'", "remove group_size or set strategy: group")
-    if s.strategy == "token" and s.dynamic is not True:
+    if s.strategy == Strategy.TOKEN and s.dynamic is not True:
         raise UsageError(f"{where}.strategy: per-token scales are computed at run time", "set dynamic: true")
     if role == "weights":
         if s.dynamic:
             raise UsageError(f"{where}.dynamic: weights are quantized ahead of time", "set dynamic: false")
-        if s.strategy == "token":
+        if s.strategy == Strategy.TOKEN:
             raise UsageError(f"{where}.strategy: 'token' is for activations", "use channel, group or tensor for weights")
     if role == "activations":
-        fp4_act = s.is_nvfp4 and s.dynamic == LOCAL
-        group_act = s.is_fp8 and s.strategy == "group" and s.dynamic is True and s.scale_dtype is None
-        if s.is_nvfp4 and not fp4_act:
-            raise UsageError(f"{where}.dynamic: NVFP4 activations take group scales at run time under a calibrated global "
-                             "scale", "set dynamic: local")
-        mx_act = s.is_mx and s.num_bits == 8 and s.dynamic is True
-        if s.is_mx and not mx_act:
-            raise UsageError(f"{where}: MX activations are MXFP8 (num_bits 8) with block scales taken at run time; "
-                             f"qtk's targets write no {s.describe()} activations",
-                             "use the mxfp8 recipe's activations (num_bits: 8, dynamic: true) or drop them (mxfp4-a16)")
-        group_act = group_act or mx_act
-        if s.strategy not in ("tensor", "token") and not (fp4_act or group_act):
+        if s.strategy not in (Strategy.TENSOR, Strategy.TOKEN) and not fmt.activation_strategies(s):
             raise UsageError(f"{where}.strategy: activations are quantized per tensor or per token (or per token "
                              "group: NVFP4, FP8 block)", "use strategy: tensor or token")
-        if s.num_bits != 8 and not fp4_act:
+        if s.num_bits != 8 and not fmt.activation_bits(s):
             raise UsageError(f"{where}.num_bits: {s.num_bits}-bit activations have no kernel in vLLM or TensorRT-LLM", "use num_bits: 8 or drop activations")
-        if not s.symmetric and s.is_fp8:
-            raise UsageError(f"{where}.symmetric: fp8 activations are symmetric", "set symmetric: true")
         if not s.symmetric:
             raise UsageError(f"{where}.symmetric: asymmetric activations are not supported by qtk's targets", "set symmetric: true")
     if role == "kv_cache":
-        if s.num_bits != 8 or s.strategy != "tensor" or s.dynamic or not s.symmetric:
+        if s.num_bits != 8 or s.strategy != Strategy.TENSOR or s.dynamic or not s.symmetric:
             raise UsageError(f"{where}: the KV cache is quantized to 8 bits, per tensor, static, symmetric",
                              "use 'kv_cache: {num_bits: 8, type: float}' (or type: int for TensorRT-LLM INT8 KV)")
         if s.observer != "minmax":
             raise UsageError(f"{where}.observer: KV scales use the min-max observer", "remove observer")
+
+
+def checked_scheme(weights: QuantScheme, activations: QuantScheme | None = None, where: str = "scheme", *,
+                   together: bool = True) -> ModuleScheme:
+    """A ModuleScheme built in code (a reader's table, a checkpoint's config) refused as a recipe's would be: each
+    scheme for its role, and (together) the two as one kernel runs them."""
+    validate_scheme(weights, f"{where}: weights", "weights")
+    if activations is not None:
+        validate_scheme(activations, f"{where}: activations", "activations")
+    if together:
+        _check_pair(weights, activations, where)
+    return ModuleScheme(weights, activations)
+
+
+def _unknown_format(s: QuantScheme, where: str) -> None:
+    """A scheme of no registered format's family: its scale dtype, element type or width names no format."""
+    if s.scale_dtype is not None and s.type != "float":
+        raise UsageError(f"{where}.scale_dtype: e8m0 scales are for the MX float formats", "drop scale_dtype or set type: float")
+    if s.type == "float":
+        raise UsageError(f"{where}.num_bits: float quantization is fp8 (e4m3) or fp4 (e2m1), got {s.num_bits}",
+                         "set num_bits: 8 or 4")
+    raise UsageError(f"{where}.num_bits: int{s.num_bits} is not supported", f"use one of {', '.join(map(str, INT_BITS))}")
 
 
 @dataclass(frozen=True)
@@ -271,12 +249,12 @@ class Recipe:
     @property
     def writes_g_idx(self) -> bool:
         """GPTQ with actorder group on group-wise weights: each Linear carries a g_idx (groups in permuted order)."""
-        return self.gptq_actorder == "group" and any(m.weights.strategy in ("group", "tensor_group") for m in self.schemes)
+        return self.gptq_actorder == "group" and any(m.weights.strategy in (Strategy.GROUP, Strategy.TENSOR_GROUP) for m in self.schemes)
 
     def summary(self) -> str:
         parts = [f"W: {self.weights.describe()}"]
         parts.append(f"A: {self.activations.describe()}" if self.activations else "A: bf16")
-        parts.append(f"KV: {'fp8' if self.kv_cache.is_fp8 else 'int8'}" if self.kv_cache else "KV: bf16")
+        parts.append(f"KV: {'fp8' if self.kv_cache.type == 'float' else 'int8'}" if self.kv_cache else "KV: bf16")
         if self.overrides:
             n = len(self.overrides)
             parts.append(f"+{n} override{'s' if n > 1 else ''} ({'; '.join(o.scheme.weights.describe() for o in self.overrides)})")
@@ -331,13 +309,7 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
     if not isinstance(ignore, list) or not all(isinstance(p, str) and p for p in ignore):
         raise UsageError(f"{origin}: ignore must be a list of module names or 're:' patterns", "e.g. 'ignore: [lm_head]'")
     for p in ignore:
-        if p.startswith("re:"):
-            import re
-
-            try:
-                re.compile(p[3:])
-            except (re.error, OverflowError, RecursionError) as e:
-                raise UsageError(f"{origin}: ignore pattern {p!r} is not a valid regex ({e})", "fix the pattern") from None
+        _check_regex(p, origin, "ignore")
 
     calib = doc.get("calibration")
     calibration = Calibration.parse(calib, f"{origin}: calibration") if calib is not None else Calibration()
@@ -351,55 +323,21 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
 
 
 def _check_pair(weights: QuantScheme, activations: QuantScheme | None, where: str) -> None:
-    """Weights and activations that one kernel can run together: W8A8 (int with int, fp8 with fp8), NVFP4 with NVFP4
-    (W4A4), FP8 blocks with per-token-group FP8, int4 groups with FP8 (W4A8-FP8) or dynamic per-token INT8 (W4A8-INT8)
-    activations."""
+    """Weights and activations that one kernel can run together. The formats of the two say first (Format.pairs:
+    NVFP4 with NVFP4 (W4A4), MXFP8 with MXFP8, FP8 blocks with per-token-group FP8, int4 groups with FP8 (W4A8-FP8) or
+    dynamic per-token INT8 (W4A8-INT8) activations); otherwise W8A8, int with int, fp8 with fp8."""
     if activations is None:
         return
-    w, a = weights, activations
-    if w.is_nvfp4 or a.is_nvfp4:
-        if not (w.is_nvfp4 and a.is_nvfp4):
-            raise UsageError(f"{where}: NVFP4 weights and activations go together (W4A4) or the weights alone (W4A16)",
-                             "use the nvfp4 or nvfp4-a16 recipe as a template")
-        return
-    if w.is_mx or a.is_mx:  # W8A8-MX: vLLM's CompressedTensorsW8A8Mxfp8 (FlashInfer CUTLASS on Blackwell)
-        if not (w.is_mx and a.is_mx and w.num_bits == 8 and a.num_bits == 8):
-            raise UsageError(f"{where}: MX weights run with quantized activations only as MXFP8 with MXFP8 activations "
-                             f"(W8A8-MX), not {w.describe()} weights with {a.describe()} activations",
-                             "use the mxfp8 recipe as a template, or drop activations (mxfp4-a16, mxfp8-a16)")
-        return
-    a_group = a.strategy == "group"
-    if w.strategy == "block" or a_group:
-        if not (w.strategy == "block" and a_group and a.is_fp8):
-            raise UsageError(f"{where}: FP8 block weights run with dynamic FP8 activations per token group of 128, and "
-                             "only they", "use the fp8-block recipe as a template")
-        if a.group_size != w.block_structure[1]:
-            raise UsageError(f"{where}: activation groups of {a.group_size} do not match weight blocks of "
-                             f"{w.block_structure[1]} input columns", f"set activations group_size: {w.block_structure[1]}")
-        return
-    if w.type == "int" and w.num_bits == 4 and w.strategy == "group" and a.is_fp8:  # W4A8-FP8
-        # per token, dynamic: vLLM's CompressedTensorsW4A8Fp8; per tensor, static: TensorRT-LLM's W4A8_AWQ
-        per_token = a.strategy == "token" and a.dynamic is True
-        per_tensor = a.strategy == "tensor" and not a.dynamic
-        if not ((per_token or per_tensor) and w.symmetric and w.group_size == 128):
-            raise UsageError(f"{where}: int4 group weights run with 8-bit activations only as W4A8-FP8: symmetric "
-                             "groups of 128, FP8 activations per token, dynamic (vLLM's CompressedTensorsW4A8Fp8) or "
-                             "per tensor, static (TensorRT-LLM's W4A8_AWQ)", "use the w4a8-fp8 recipe as a template")
-        return
-    if w.type == "int" and w.num_bits == 4 and a.type == "int" and a.num_bits == 8:  # W4A8-INT8
-        # vLLM's CompressedTensorsW4A8Int (_is_dynamic_token_w4a8_int): symmetric int4 weights, int8 per token, dynamic
-        if not (w.strategy == "group" and w.symmetric and a.strategy == "token" and a.dynamic is True and a.symmetric):
-            raise UsageError(f"{where}: 4-bit weights with 8-bit int activations (W4A8) run only as W4A8-INT8: symmetric "
-                             "int4 groups with symmetric INT8 activations per token, dynamic (vLLM's CompressedTensorsW4A8Int)",
-                             "use the w4a8-int8 recipe as a template, or drop activations for weight-only (W4A16)")
-        return
+    for fmt in FORMATS:
+        if (fmt.claims(weights) or fmt.claims(activations)) and fmt.pairs(weights, activations, where):
+            return
     if activations.type != weights.type:
         raise UsageError(f"{where}: activations are {activations.type} but weights are {weights.type}",
                          "use int weights with int activations (W8A8) or fp8 with fp8")
     if weights.num_bits != 8:
         raise UsageError(f"{where}: {weights.num_bits}-bit weights with 8-bit activations (W{weights.num_bits}A8) is not supported",
                          "drop activations for weight-only (WnA16) or use 8-bit weights")
-    if weights.strategy == "group":
+    if weights.strategy == Strategy.GROUP:
         raise UsageError(f"{where}: group-wise weights with quantized activations have no kernel",
                          "use strategy: channel or tensor for W8A8")
 
@@ -410,14 +348,29 @@ def _check_patterns(patterns: list, where: str, what: str, example: str) -> tupl
     if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise UsageError(f"{where}: {what} must be a non-empty list of module names or 're:' patterns", f"e.g. '{what}: {example}'")
     for p in patterns:
-        if p.startswith("re:"):
-            import re
-
-            try:
-                re.compile(p[3:])
-            except (re.error, OverflowError, RecursionError) as e:
-                raise UsageError(f"{where}: {what} pattern {p!r} is not a valid regex ({e})", "fix the pattern") from None
+        _check_regex(p, where, what)
     return tuple(patterns)
+
+
+def _check_regex(p: str, where: str, what: str) -> None:
+    """A 're:' pattern must compile, and must not be able to backtrack exponentially: it is matched against every
+    module name of the model (and by qtk inspect against every name of a checkpoint), with no time limit in re."""
+    if not p.startswith("re:"):
+        return
+    import re
+
+    from qtk.bounds import pattern_problem
+
+    try:
+        re.compile(p[3:])
+    except (re.error, OverflowError, RecursionError) as e:
+        raise UsageError(f"{where}: {what} pattern {p!r} is not a valid regex ({e})", "fix the pattern") from None
+    problem = pattern_problem(p[3:])
+    if problem:
+        shown = p if len(p) <= 80 else p[:77] + "..."
+        raise UsageError(f"{where}: {what} pattern '{shown}' is refused: {problem}",
+                         "match module names without nested repetition, e.g. 're:.*self_attn\\..*' or a dotted "
+                         "suffix such as 'mlp.down_proj'")
 
 
 def _parse_overrides(raw, default_activations: QuantScheme | None, origin: str) -> tuple[Override, ...]:

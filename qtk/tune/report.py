@@ -3,7 +3,10 @@ recipes marked, each gated point with its verdict). The JSON form is the dict qt
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+
+from qtk.io import outdir
 
 
 def _mb(n: int) -> str:
@@ -49,12 +52,14 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(r: dict, path) -> None:
-    Path(path).write_text(markdown(r))
+def write_markdown(r: dict, out, name: str = "tune.md") -> None:
+    """OUT/name, written without following a link (qtk.io.outdir.write_file)."""
+    outdir.write_file(out, name, markdown(r).encode())
 
 
-def write_plot(r: dict, path) -> bool:
-    """The frontier as a PNG (matplotlib, as `qtk eval --plot` draws); False when matplotlib is missing."""
+def write_plot(r: dict, out, name: str = "frontier.png") -> bool:
+    """The frontier as a PNG at OUT/name (matplotlib, as `qtk eval --plot` draws; written as write_markdown writes);
+    False when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -85,6 +90,8 @@ def write_plot(r: dict, path) -> bool:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)
+    outdir.write_file(out, name, buf.getvalue())
     return True

@@ -12,7 +12,8 @@ import yaml
 
 from qtk.errors import CheckFailed, UsageError
 from qtk.plan.memory import ModelShape, checkpoint_tensors, kv_bytes_per_request, normalize_dtype
-from qtk.recipe import Recipe, load_recipe, parse_recipe
+from qtk.bounds import load_yaml
+from qtk.recipe import Recipe, load_recipe, parse_recipe_text
 from qtk.recipe.params import STEP_PARAMS, Phase
 from qtk.tune.frontier import Frontier, Option, frontier
 from qtk.tune.sensitivity import Candidate, Sensitivity
@@ -221,7 +222,7 @@ def uniform_points(sens: Sensitivity, costs: Costs, budget: Budget) -> list[tupl
 
 
 def _scheme_doc(s) -> dict:
-    d = {"num_bits": s.num_bits, "type": s.type, "symmetric": s.symmetric, "strategy": s.strategy}
+    d = {"num_bits": s.num_bits, "type": s.type, "symmetric": s.symmetric, "strategy": str(s.strategy)}
     if s.group_size is not None:
         d["group_size"] = s.group_size
     if s.observer != "minmax":
@@ -265,7 +266,7 @@ def recipe_text(a: Assignment, sens: Sensitivity, cset: CandidateSet, name: str,
 
 def _gptq_doc(r: Recipe):
     """The recipe's GPTQ step as written in its YAML (a built-in or a user's file), so the tuned recipe runs it alike."""
-    doc = yaml.safe_load(r.text) if r.text else None
+    doc = load_yaml(r.text, f"recipe {r.name}") if r.text else None
     steps = (doc or {}).get("algorithm", [])
     for s in steps if isinstance(steps, list) else [steps]:
         if s == "gptq" or (isinstance(s, dict) and "gptq" in s):
@@ -274,7 +275,7 @@ def _gptq_doc(r: Recipe):
 
 
 def parse_tuned(text: str, origin: str) -> Recipe:
-    return parse_recipe(yaml.safe_load(text), text, origin)
+    return parse_recipe_text(text, origin)
 
 
 def with_calibration(cset: CandidateSet, dataset=None, num_samples=None, seq_len=None, seed=None, text_field=None) -> CandidateSet:

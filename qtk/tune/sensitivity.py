@@ -1,5 +1,5 @@
 """Sensitivity from one calibration pass: for every servable unit of every decoder layer and every candidate scheme, an
-estimate of the damage quantizing that unit does, and (in qtk.tune.cost) its exact bytes.
+estimate of the damage quantizing that unit does, and (qtk.tune.search.unit_costs) its exact bytes.
 
 Units are what an engine runs with one scheme: each fusion group (q/k/v, gate/up) and each Linear outside one (o,
 down); the experts of an MoE layer are one unit (vLLM's FusedMoE takes one scheme for all experts, w13 and w2).
@@ -38,7 +38,7 @@ from qtk.model.simulate import engine_weight, kv_fake_quant, set_kv_hook, use_qt
 from qtk.pipeline.capture import capture_layer_inputs
 from qtk.pipeline.device import compute_dtype
 from qtk.pipeline.targets import target_linears
-from qtk.quant.scheme import FP8_MAX
+from qtk.quant.scheme import FP8_MAX, Strategy
 from qtk.recipe import ModuleScheme, Recipe
 from qtk.steps.capture import capture_many, sequential_groups
 from qtk.steps.context import LayerContext
@@ -139,7 +139,7 @@ def measure(source, candidates: list[Candidate], calib_ids: torch.Tensor, *, sol
         raise ValueError("no quantized candidate")
     prop = min(quantized, key=lambda c: _bits(c.scheme))
     probe = Recipe(name="tune-probe", weights=prop.scheme.weights, ignore=ignore)
-    arch, dtype = source.arch, source.dtype
+    dtype = source.dtype
     skeleton = source.skeleton()
     use_qtk_attention(skeleton)
     batches, layer_kwargs = capture_layer_inputs(source, skeleton, calib_ids, batch_size)
@@ -148,7 +148,7 @@ def measure(source, candidates: list[Candidate], calib_ids: torch.Tensor, *, sol
     out.kv_layers = {k: [] for k in kv_kinds}
     n = source.num_layers
     for i in range(n):
-        prefix = source.layer_prefix(i)
+        prefix, arch = source.layer_prefix(i), source.arch.at(i)
         batches = [(h, kw) for (h, _), kw in zip(batches, layer_kwargs[i])]
         targets = target_linears(source, probe, i)
         layer = source.layer(skeleton, i, compute_dtype(source))
@@ -194,7 +194,7 @@ def measure(source, candidates: list[Candidate], calib_ids: torch.Tensor, *, sol
 def _bits(scheme: ModuleScheme) -> float:
     """Stored bits per weight, for picking the cheapest candidate (scales add ~16/group)."""
     w = scheme.weights
-    return w.num_bits + (16 / w.group_size if w.strategy == "group" else 0)
+    return w.num_bits + (16 / w.group_size if w.strategy == Strategy.GROUP else 0)
 
 
 def _propagate(layer, arch, batches, weights, kv_kinds, kv_layers, n_tokens):
