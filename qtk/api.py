@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from qtk.checks import Check
-from qtk.convert import ConvertResult, Interrupted  # noqa: F401 (part of the API)
+from qtk.convert import ConvertOptions, ConvertResult, Interrupted  # noqa: F401 (part of the API)
 from qtk.errors import CheckFailed, QtkError, UsageError  # noqa: F401 (raised by every call, as api.UsageError)
 from qtk.recipe import Recipe, load_recipe
 
@@ -15,34 +15,13 @@ if TYPE_CHECKING:
     from qtk.pipeline import LayerDone
 
 
-def convert(
-    model: str | Path,
-    recipe: str | Path | Recipe,
-    out: str | Path,
-    *,
-    targets: Sequence[str] = ("vllm",),
-    calib: str | None = None,
-    calib_ids=None,
-    text_field: str | None = None,
-    split: str | None = None,
-    num_samples: int | None = None,
-    seq_len: int | None = None,
-    seed: int | None = None,
-    overwrite: bool = False,
-    tp: int = 1,
-    pp: int = 1,
-    max_shard_bytes: int = 5 * 10**9,
-    batch_size: int = 8,
-    allow_pickle: bool = False,
-    trust_remote_code: bool = False,
-    hash_source: bool = True,
-    resume: bool = False,
-    device: str | None = "cpu",
-    max_device_memory: int | None = None,
-    on_stage: Callable[[str], None] | None = None,
-    on_layer: Callable[[int, int, LayerDone], None] | None = None,
-) -> ConvertResult:
+def convert(model: str | Path, recipe: str | Path | Recipe, out: str | Path, options: ConvertOptions | None = None, *,
+            on_stage: Callable[[str], None] | None = None,
+            on_layer: Callable[[int, int, LayerDone], None] | None = None, **fields) -> ConvertResult:
     """Quantize `model` with `recipe` and write one checkpoint per target under `out/<target>/`.
+
+    options: a qtk.convert.ConvertOptions, or its fields as keywords (targets=, calib=, calib_ids=, num_samples=,
+    seq_len=, seed=, overwrite=, tp=, device=, verify_engine=, also_writes=, ...), range-checked when built.
 
     Each target is written to a temporary directory and renamed when complete; on any failure
     (including Ctrl-C) nothing that looks like a finished output is left behind, and OUT is left as it was.
@@ -56,18 +35,30 @@ def convert(
     device: auto | cpu | cuda | cuda:N, where layers, calibration activations and solvers live (the API defaults to
     the CPU, whose output is byte-identical to earlier releases; `qtk convert` defaults to auto). A GPU asked for
     and not visible is refused up front (UsageError). max_device_memory: bytes of calibration activations kept on
-    the device; the rest wait in pinned host memory. Started by torchrun (WORLD_SIZE > 1), every process calls
+    the device; the rest wait in pinned host memory. verify_engine "vllm": before anything is renamed into place, each
+    vllm / hf-fp8 output is run in the installed vLLM and compared with qtk's simulation (CheckFailed when they
+    disagree; a line in `messages` when vLLM cannot run it here). also_writes: names in `out` the caller writes
+    afterwards (e.g. gate_reports(targets) before gate_outputs), refused before any work as the outputs are (a link
+    there, the model there). Started by torchrun (WORLD_SIZE > 1), every process calls
     this with the same arguments: each calibrates on its share of the windows and rank 0 alone writes.
     """
-    from qtk.convert import ConvertJob, ConvertOptions
+    from qtk.convert import ConvertJob
 
     r = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    options = ConvertOptions(targets=targets, calib=calib, calib_ids=calib_ids, text_field=text_field, split=split,
-                             num_samples=num_samples, seq_len=seq_len, seed=seed, overwrite=overwrite, tp=tp, pp=pp,
-                             max_shard_bytes=max_shard_bytes, batch_size=batch_size, allow_pickle=allow_pickle,
-                             trust_remote_code=trust_remote_code, hash_source=hash_source, resume=resume,
-                             device=device, max_device_memory=max_device_memory)
-    return ConvertJob(model, r, out, options, on_stage=on_stage, on_layer=on_layer).run()
+    return ConvertJob(model, r, out, _options(ConvertOptions, options, fields, "convert"), on_stage=on_stage,
+                      on_layer=on_layer).run()
+
+
+def _options(cls, options, fields: dict, what: str):
+    """An options object given whole, or built from its fields given as keywords (the API's keyword form)."""
+    if options is not None and fields:
+        raise TypeError(f"{what}: give an options object or its fields as keywords, not both ({', '.join(fields)})")
+    return options if options is not None else cls(**fields)
+
+
+def gate_reports(targets: Sequence[str]) -> list[str]:
+    """The reports gate_outputs writes in its report_dir: gate-<target>.{json,xml,md}."""
+    return [f"gate-{t}.{ext}" for t in targets for ext in ("json", "xml", "md")]
 
 
 def gate_outputs(outputs: dict[str, Path], baseline: str | Path, tasks_file: str | Path, report_dir: str | Path, *,
@@ -76,7 +67,9 @@ def gate_outputs(outputs: dict[str, Path], baseline: str | Path, tasks_file: str
     its JSON, JUnit and Markdown reports written to report_dir/gate-<target>.{json,xml,md}. Returns target ->
     qtk.eval.api.GateResult, in the outputs' order; the caller renders them and decides the exit code.
 
-    on_output(target, path) is called before each; gate_options go to run_gate (threads=, progress=, on_task=, ...)."""
+    on_output(target, path) is called before each; gate_options go to run_gate (threads=, progress=, on_task=, ...).
+    The reports are files qtk names in report_dir: each is written without following a link there
+    (qtk.io.outdir.write_file)."""
     from qtk.eval.api import run_gate
 
     results = {}
@@ -85,7 +78,7 @@ def gate_outputs(outputs: dict[str, Path], baseline: str | Path, tasks_file: str
             on_output(t, path)
         base = Path(report_dir) / f"gate-{t}"
         results[t] = run_gate(path, baseline, tasks_file, json_path=f"{base}.json", junit=f"{base}.xml",
-                              markdown=f"{base}.md", **gate_options)
+                              markdown=f"{base}.md", report_root=report_dir, **gate_options)
     return results
 
 
@@ -103,13 +96,16 @@ class InspectReport:
         return all(c.ok for c in self.checks)
 
 
-def inspect(path: str | Path, source: str | Path | None = None) -> InspectReport:
+def inspect(path: str | Path, source: str | Path | None = None, engine: str | None = None) -> InspectReport:
     """Summarise a written checkpoint and check it from its bytes (qtk.checks): tensors against the config, every
     quantized Linear decoded through the format's reader and compared with the source model's weights, KV and
     activation scales, dense tensors. `source` is the model it was converted from; by default the path qtk.json
-    records, and the comparison is reported as skipped when neither is readable."""
+    records, and the comparison is reported as skipped when neither is readable. engine "vllm": the checkpoint is
+    also run in the installed vLLM against qtk's simulation (qtk.eval.engine_check), a failed check when they
+    disagree, a skipped one naming why when vLLM cannot run it here."""
     from qtk.checks import check_checkpoint
     from qtk.export import open_checkpoint
+    from qtk.model.config_check import text_config
 
     ck = open_checkpoint(path)
     src, note = _inspect_source(ck, source)
@@ -122,13 +118,33 @@ def inspect(path: str | Path, source: str | Path | None = None) -> InspectReport
         "quantized_modules": len(rep.modules),
         "size_bytes": ck.size_bytes(),
         "model_type": ck.hf_config.get("model_type"),
-        "layers": ck.hf_config.get("num_hidden_layers"),
+        "layers": text_config(ck.hf_config).get("num_hidden_layers"),
         "source": str(src.path) if src is not None else f"not compared ({note})",
     }
     m = ck.manifest
     if m:
         summary["recipe"] = (m.get("recipe") or {}).get("name")
-    return InspectReport(Path(path), ck.format, summary, rep.modules, rep.checks, rep.errors)
+    checks = list(rep.checks)
+    if engine is not None:
+        checks.append(_engine_check(ck, engine))
+    return InspectReport(Path(path), ck.format, summary, rep.modules, checks, rep.errors)
+
+
+def _engine_check(ck, engine: str) -> Check:
+    from qtk.eval.engine_check import ENGINE_TARGETS, verify_engine
+
+    name = f"runs in {engine} as qtk simulates it"
+    if engine not in ENGINE_TARGETS:
+        raise UsageError(f"--engine {engine}: qtk runs checkpoints in vllm only", "use --engine vllm")
+    if ck.format not in ENGINE_TARGETS[engine]:
+        return Check(name, True, f"{engine} does not load {ck.format} checkpoints", skipped=True)
+    c = verify_engine(ck.path, engine=engine)
+    if c.status != "runs":
+        return Check(name, True, f"{engine} cannot run it here: {c.reason[:300]}", skipped=True)
+    where = f"{engine} {c.engine_version} on {c.device}"
+    if c.disagreements:
+        return Check(name, False, f"{where}: {'; '.join(c.disagreements)} ({c.line()})")
+    return Check(name, True, f"{where}: {c.line()}")
 
 
 def _inspect_source(ck, source):
@@ -157,48 +173,56 @@ def _inspect_source(ck, source):
         return None, f"the recorded source {p} cannot be read ({e.problem}); give --source MODEL"
 
 
-def _expected_quantized(ck) -> list[str]:
-    """Linears of every decoder layer per the architecture table, less the checkpoint's own exclusions."""
-    from qtk.checks import expected_quantized
+def plan(model: str | Path, recipe=None, options=None, **fields):
+    """Memory, throughput, cost and serving flags for `model` (a directory or its config.json) from the config alone;
+    what `qtk plan` renders. Returns a qtk.plan.planner.Plan (its .check_fit() raises CheckFailed when it does not
+    fit; its .recommendation holds the reasons when recommending).
 
-    return expected_quantized(ck, ck.arch, None)
-
-
-def plan(model: str | Path, recipe: str | Path | Recipe | None = None, *, gpu: str = "h100-sxm", context: int = 4096,
-         concurrency: int = 8, tp: int = 1, recommend: bool = False, workload: str = "general"):
-    """Memory, throughput, cost and serving flags for `model` (a directory or its config.json) from the config alone.
-
-    recommend=True picks the recipe with the decision tree (qtk.plan.decide) and plans that one;
-    returns a qtk.plan.planner.Plan (its .decision holds the reasons when recommending)."""
+    recipe: a recipe (name, YAML file or Recipe; None or "none": the unquantized model), or with recommend a list of
+    your recipes, considered beside the shipped ones. options: a qtk.plan.planner.PlanOptions, or its fields as
+    keywords (gpu=, context=, concurrency=, tp=, recommend=, workload=, headroom=, ...). With recommend, the decision
+    tree (qtk.plan.decide) picks the recipe and that one is planned; NoRecipeFits (a CheckFailed carrying the
+    decision) when none fits."""
     from qtk.plan.decide import recommend as pick
-    from qtk.plan.hardware import get_gpu
     from qtk.plan.memory import ModelShape, read_config
-    from qtk.plan.planner import Deployment, make_plan
+    from qtk.plan.planner import NoRecipeFits, PlanOptions, make_plan
 
+    o = _options(PlanOptions, options, fields, "plan")
+    given = [] if recipe is None else list(recipe) if isinstance(recipe, (list, tuple)) else [recipe]
+    given = [r for r in given if not (isinstance(r, str) and r == "none")]
+    if not o.recommend and len(given) > 1:
+        raise UsageError(f"--recipe given {len(given)} times", "plan one recipe at a time, or add --recommend to choose among them")
     shape = ModelShape.from_config(read_config(model))
-    dep = Deployment(gpu=get_gpu(gpu), context=context, concurrency=concurrency, tp=tp)
-    decision = None
-    if recommend:
-        decision = pick(shape, dep, workload=workload)
+    dep = o.deployment()
+    recipes = [r if isinstance(r, Recipe) else load_recipe(r) for r in given]
+    if o.recommend:
+        shipped = _shipped_names()
+        extra = {}
+        for g, r in zip(given, recipes):  # a user's recipe named as a shipped one keeps the name it was given
+            extra[r.name if r.name not in extra and r.name not in shipped else str(g)] = r
+        decision = pick(shape, dep, min_headroom=o.headroom, workload=o.workload, extra=extra)
         if decision.chosen is None:
-            raise CheckFailed(decision.reason, "use more GPUs (tp), a shorter context or fewer requests")
-        recipe = decision.recipe
-    r = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
-    return make_plan(shape, r, dep, decision=decision, recipe_name=decision.chosen if decision else None)
+            raise NoRecipeFits(decision)
+        return make_plan(shape, decision.recipe, dep, recipe_name=decision.chosen, api_usd_per_1m=o.api_price,
+                         decision=decision, convert_on=o.convert_on, convert_processes=o.convert_processes)
+    return make_plan(shape, recipes[0] if recipes else None, dep, api_usd_per_1m=o.api_price, convert_on=o.convert_on,
+                     convert_processes=o.convert_processes)
 
 
-# ---- qtk tune (issue 15)
+def _shipped_names() -> set[str]:
+    from qtk.recipe import builtin_recipes
+
+    return set(builtin_recipes())
 
 
-def tune(model: str | Path, tasks_file: str | Path, out: str | Path, *, candidates: Sequence[str] = ("w4a16-gptq", "w8a16", "bf16"),
-         targets: Sequence[str] = ("vllm",), gpu: str | None = None, context: int = 4096, concurrency: int = 8, tp: int = 1,
-         max_weight_bytes: int | None = None, max_rounds: int = 6, calib: str | None = None,
-         num_samples: int | None = None, seq_len: int | None = None, seed: int | None = None,
-         text_field: str | None = None, limit: int | None = None, tasks: list[str] | None = None, strict: bool = False,
-         overwrite: bool = False, threads: int | None = None, batch_size: int = 8,
-         progress: Callable[[str], None] | None = None):
-    """The cheapest per-module mix of the `candidates` (recipe names or files, and 'bf16') that fits the budget and
-    passes the accuracy gate of `tasks_file` against `model`.
+# ---- qtk tune
+
+
+def tune(model: str | Path, tasks_file: str | Path, out: str | Path, options=None, *,
+         progress: Callable[[str], None] | None = None, **fields):
+    """The cheapest per-module mix of the candidates (recipe names or files, and 'bf16') that fits the budget and
+    passes the accuracy gate of `tasks_file` against `model`. options: a qtk.tune.job.TuneOptions, or its fields as
+    keywords (candidates=, targets=, gpu=, context=, concurrency=, tp=, max_weight_bytes=, max_rounds=, calib=, ...).
 
     Budget: gpu= (with context/concurrency/tp: qtk plan's deployment model; an 8-bit KV cache is part of the search)
     or max_weight_bytes=. One calibration pass estimates every unit's damage, the frontier gives the least damage for
@@ -206,9 +230,6 @@ def tune(model: str | Path, tasks_file: str | Path, out: str | Path, *, candidat
     cheapest point that passes. Writes out/<target>/, out/recipe.yaml (reproduces it with `qtk convert --recipe`),
     out/tune.{json,md}, out/frontier.png, out/plan.json (with gpu=), out/rounds/round-N/gate.{json,md}.
     Returns qtk.tune.job.TuneResult; raises CheckFailed when no budget point fits or none tried passes the gate."""
-    from qtk.tune.job import run_tune
+    from qtk.tune.job import TuneOptions, run_tune
 
-    return run_tune(model, tasks_file, out, candidates=candidates, targets=targets, gpu=gpu, context=context,
-                    concurrency=concurrency, tp=tp, max_weight_bytes=max_weight_bytes, max_rounds=max_rounds, calib=calib,
-                    num_samples=num_samples, seq_len=seq_len, seed=seed, text_field=text_field, limit=limit, tasks=tasks,
-                    strict=strict, overwrite=overwrite, threads=threads, batch_size=batch_size, progress=progress)
+    return run_tune(model, tasks_file, out, _options(TuneOptions, options, fields, "tune"), progress)

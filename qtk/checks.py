@@ -12,14 +12,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qtk.errors import QtkError
+from qtk.model.config_check import text_config
 
 if TYPE_CHECKING:
     from qtk.pipeline.result import Measured  # what the data-free stream measured (its self-check takes it)
 
-# relative Frobenius error ||W - Q(W)|| / ||W|| that a sane quantizer stays far below (RTN on Gaussian
-# weights gives ~0.01 at int8, ~0.15 at int4, ~0.04 at fp8); a broken one (wrong scale, collapsed
-# packing, swapped layout) lands at or above 1.
-MAX_REL_ERROR = {("int", 8): 0.1, ("int", 4): 0.7, ("int", 2): 1.5, ("float", 8): 0.2, ("float", 4): 0.7}
 MANIFEST_TOLERANCE = 1e-3  # |error measured on disk - error qtk.json recorded|
 WEIGHT_RANGE = (1e-8, 1e4)  # a decoded weight's largest magnitude outside this is no trained LLM's
 ACT_RANGE = (1e-6, 1e6)  # the activation range a static input scale implies
@@ -30,6 +27,7 @@ CONFIG_LIMITS = {"hidden_size": 1 << 20, "num_hidden_layers": 1 << 12, "vocab_si
                  "head_dim": 1 << 14, "max_position_embeddings": 1 << 26}
 CONFIG_REQUIRED = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
 STRUCTURE = "tensors match the config (dtypes, shapes, scheme)"
+RECIPE_AGREES = "qtk.json's recipe matches the config"
 
 
 @dataclass
@@ -136,32 +134,31 @@ def layer_of(module: str, arch) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def smoothing_scales(records: dict | None) -> dict[str, list[float]]:
-    """A layer's smoothing scales from its manifest records (JSON): {prev: s}, as the pipeline folded them."""
-    from qtk.steps.records import RECORDS, folded_scales, records_from_json
+def layer_records(records: dict | None) -> dict:
+    """A layer's step records from its manifest JSON (qtk.steps.records), those of steps this qtk knows: a newer
+    writer's others change no frame this qtk could rebuild."""
+    from qtk.steps.records import RECORDS, records_from_json
 
-    # records of steps this qtk does not know (a newer writer) fold nothing it could undo
-    return folded_scales(records_from_json({k: v for k, v in (records or {}).items() if k in RECORDS}))
+    return records_from_json({k: v for k, v in (records or {}).items() if k in RECORDS})
 
 
 def frame_unknown(records: dict | None) -> bool:
-    """AWQ rescaled this layer but its records hold only the chosen ratio, not the scales (a checkpoint written
-    before qtk recorded them): the frame its weights were quantized in cannot be rebuilt from the source."""
-    awq = (records or {}).get("awq") or {}
-    return any(r is not None for r in (awq.get("scales") or {}).values()) and not awq.get("s")
+    """A step changed this layer's frame but its records cannot rebuild it (a checkpoint written before qtk recorded
+    what it needs): the weights cannot be compared with the source."""
+    return not all(r.frame_known() for r in layer_records(records).values())
 
 
-def reference_weight(source, module: str, arch, layer_records: dict | None):
-    """float32 [out, in]: the source weight of `module` as the quantizer saw it (model dtype, smoothing folded)."""
+def reference_weight(source, module: str, arch, layer_records_json: dict | None):
+    """float32 [out, in]: the source weight of `module` as the quantizer saw it (model dtype, in the frame its layer's
+    steps left it in: each record's reframe, qtk.steps.records.in_frame)."""
     from qtk.pipeline import compute_dtype
-    from qtk.steps.smoothing import smoothed_weight
+    from qtk.steps.records import in_frame
 
     W = source.tensor(f"{module}.weight").to(compute_dtype(source)).float()
     i = layer_of(module, arch)
-    scales = smoothing_scales(layer_records)
-    if i is None or not scales:
+    if i is None:
         return W
-    return smoothed_weight(W, module[len(f"{arch.layers}.{i}."):], arch, scales)
+    return in_frame(W, module[len(f"{arch.layers}.{i}."):], arch.at(i), layer_records(layer_records_json))
 
 
 # ---- the checks ----
@@ -172,8 +169,8 @@ def expected_quantized(ck, arch, recipe) -> list[str]:
     from qtk.recipe import matches
 
     ignore = list(recipe.ignore) if recipe is not None else ck.ignore_patterns()
-    n = int(ck.hf_config["num_hidden_layers"])
-    return [f"{arch.layers}.{i}.{lin}" for i in range(n) for lin in arch.linears
+    n = int(text_config(ck.hf_config)["num_hidden_layers"])
+    return [f"{arch.layers}.{i}.{lin}" for i in range(n) for lin in arch.at(i).linears
             if not matches(f"{arch.layers}.{i}.{lin}", ignore)]
 
 
@@ -204,6 +201,39 @@ def _kv_bounds(ck, arch, layer: int, rownorm: dict, dense_stats: dict) -> tuple[
     return out[0], out[1]
 
 
+@dataclass
+class _Findings:
+    """What the checks of one checkpoint find, Linear by Linear and tensor by tensor, before they are reported."""
+
+    structure: list[str] = field(default_factory=list)  # tensors against the config
+    static_act: list[str] = field(default_factory=list)  # modules whose scheme has static activation scales
+    bad_scale: list[str] = field(default_factory=list)
+    constant: list[str] = field(default_factory=list)
+    off_grid: list[str] = field(default_factory=list)
+    implausible: list[str] = field(default_factory=list)
+    compare: list[str] = field(default_factory=list)
+    act: list[str] = field(default_factory=list)
+    uncompared: list[str] = field(default_factory=list)
+    scale_checks: dict[str, list[str]] = field(default_factory=dict)  # a format's own scale check -> problems
+    shared: dict[str, float] = field(default_factory=dict)  # module -> the value its fusion group must share
+    rownorm: dict[str, float] = field(default_factory=dict)  # k/v projections' largest row norm (the KV bound)
+    stats: dict[str, float] = field(default_factory=dict)  # norm weights' max |value|, biases' max |b|
+    dense_seen: set[str] = field(default_factory=set)
+    nonfinite: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Linear:
+    """One quantized Linear read back: its QTensor, its ModuleScheme, the decoded weight (None when the bytes decode
+    to what the conversion measured: `known`), its static input scale."""
+
+    qt: object
+    scheme: object
+    w: object
+    known: object
+    in_scale: object
+
+
 def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
                      measured: dict[str, Measured] | None = None, finite: set[str] = frozenset()) -> CheckReport:
     """Judge the checkpoint `ck` (a reader from qtk.export.open_checkpoint) from its bytes.
@@ -214,271 +244,270 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
     conversion measured of it against `source` (the convert self-check of a data-free run): a Linear whose decoded
     QTensor has the measured digest takes the measured error and range instead of re-reading the source; any other
     is compared in full. finite: dense tensors whose bytes in ck's files were already scanned for NaN/Inf where they
-    lie (the convert self-check: the writer's scan of what it copied), not read again."""
-    from qtk.quant.qtensor import qtensor_digest
+    lie (the convert self-check: the writer's scan of what it copied), not read again.
 
-    import torch
-
-    from qtk.io.safetensors import as_tensor
-    from qtk.quant.finite import all_finite
-    from qtk.quant.error import relative_error
-
+    In order: the config's sizes (nothing else is read when they are wrong), each quantized Linear
+    (_check_linears), each dense tensor (_check_dense), then the report: structure, coverage, scales, values, the
+    comparison with the source (_report_linears), KV and activation scales and dense values (_report_scales)."""
     rep = CheckReport()
-    cfg_problems = config_problems(ck.hf_config)
+    cfg_problems = config_problems(text_config(ck.hf_config))  # a vision-language model's: its language model's
     rep.add("config.json sizes are sane", cfg_problems)
     if cfg_problems:
         return rep
-    manifest = ck.manifest
     if ck.manifest_error:
         rep.add("qtk.json readable", [ck.manifest_error])
-    if recipe is None and manifest:
-        recipe = _manifest_recipe(manifest)
+    recipe_problem = None
+    if recipe is None and ck.manifest:
+        recipe, recipe_problem = _manifest_recipe(ck.manifest)
     shapes, tied = expected_parameters(ck.hf_config)
-    arch = ck.arch
-    structure: list[str] = list(ck.format_problems())
+    found = _Findings(structure=list(ck.format_problems()))
     try:
         mods = ck.modules()
     except QtkError as e:
         rep.add(STRUCTURE, [str(e.problem)])
         return rep
+    _check_linears(ck, mods, shapes, source, measured or {}, found, rep)
+    _check_dense(ck, shapes, tied, set(mods), finite, found)
+    rep.add(STRUCTURE, found.structure, f"{len(mods)} quantized Linears, {len(found.dense_seen)} dense tensors")
+    _report_linears(ck, mods, recipe, recipe_problem, source, source_note, found, rep)
+    _report_scales(ck, found, rep)
+    return rep
 
-    # ---- every quantized Linear, one at a time
-    recorded = ((manifest or {}).get("stats") or {}).get("weight_error") or {}
-    algo_records = ((manifest or {}).get("stats") or {}).get("algorithm") or {}
-    static_act: list[str] = []  # modules whose scheme has static activation scales
-    bad_scale, constant, off_grid, implausible, compare, act, uncompared = [], [], [], [], [], [], []
-    bad_global: list[str] = []  # NVFP4 global scales not finite / positive, E8M0 codes out of range
-    global_scales: dict[str, float] = {}  # module -> NVFP4 weight global scale, for the fused-group check
-    fp4_mx = False  # some module is NVFP4 or MX: their scale checks are reported
-    rownorm: dict[str, float] = {}
 
-    def judge(m: str, err: float, bound: float, s) -> None:
-        """Module m's error against the source, in rep.errors, held to the scheme's bound and qtk.json's figure."""
-        rep.errors[m] = err
-        if not err <= bound:
-            compare.append(f"{m}: error {err:.3f} against the source exceeds {bound} for {s.describe()}")
-        elif m in recorded and not abs(err - float(recorded[m])) <= MANIFEST_TOLERANCE:
-            compare.append(f"{m}: error {err:.4f} on disk, qtk.json recorded {float(recorded[m]):.4f}")
-        elif recorded and m not in recorded:
-            compare.append(f"{m}: qtk.json records no error for it")
-
+def _check_linears(ck, mods: list[str], shapes: dict, source, measured: dict, found: _Findings,
+                   rep: CheckReport) -> None:
+    """Every quantized Linear, one at a time: read back (its tensors against its scheme, decoded), its values and
+    scales judged by its format, its input scale, its k/v row norms, its error against the source."""
+    manifest = ck.manifest or {}
+    recorded = (manifest.get("stats") or {}).get("weight_error") or {}
+    algo_records = (manifest.get("stats") or {}).get("algorithm") or {}
+    arch = ck.arch
     for m in mods:
-        shape = shapes.get(f"{m}.weight")
-        if shape is None or len(shape) != 2:
-            structure.append(f"{m}: quantized tensors for a module the config does not have")
+        lin = _read_linear(ck, m, shapes.get(f"{m}.weight"), measured, found)
+        if lin is None:
             continue
-        try:
-            problems = ck.check_module(m, tuple(shape))
-            if problems:
-                structure.extend(problems)
-                continue
-            qt = ck.qtensor(m)
-            if tuple(qt.shape) != tuple(shape):
-                structure.append(f"{m} decodes to {list(qt.shape)}, the config implies {shape}")
-                continue
-            known = (measured or {}).get(m)
-            same = known is not None and qtensor_digest(qt) == known.digest
-            w = None if same else ck.written_weight(m, qt)
-            scheme = ck.scheme_for(m)
-            act_scheme = scheme.activations if scheme is not None else None
-            in_scale = ck.input_scale(m) if (act_scheme is not None and act_scheme.has_static_scale) else None
-        except QtkError as e:
-            structure.append(f"{m}: {e.problem}")
-            continue
-        except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:  # tensors that do not fit together
-            structure.append(f"{m} cannot be decoded ({e.__class__.__name__}: {' '.join(str(e).split())[:120]})")
-            continue
-        s = qt.scheme  # the scheme the config gives this module: its bound, its grid
-        bound = MAX_REL_ERROR.get((s.type, s.num_bits), math.inf)
-        rep.modules[m] = f"{str(qt.values.dtype).replace('torch.', '')} {list(qt.shape)} {s.describe()}"
-        # finite and positive in one pass: NaN propagates through aminmax, so a NaN scale fails too
-        lo_s, hi_s = (float(x) for x in torch.aminmax(qt.scale.float())) if qt.scale.numel() else (1.0, 1.0)
-        if not (lo_s > 0 and hi_s < math.inf):
-            bad_scale.append(m)
-        v = qt.values.reshape(-1)
-        # ints and FP4's uint8 codes: one min/max pass tells both a collapsed weight and codes off the grid
-        codes = (s.type == "int" or s.is_fp4) and not v.is_floating_point()
-        lo, hi = (int(x) for x in torch.aminmax(v)) if codes and v.numel() else (0, 0)
-        if v.numel() > 1 and (lo == hi if codes else _constant(v)):
-            constant.append(f"{m}: every quantized value is {v[0].item()} (collapsed)")
-        if s.type == "int" and v.numel() and (lo < s.qmin or hi > s.qmax):
-            off_grid.append(f"{m} holds values {lo}..{hi}, outside int{s.num_bits}'s {s.qmin}..{s.qmax}")
-        elif s.is_fp4 and v.numel() and (top := hi if codes else int(v.max())) > 15:
-            off_grid.append(f"{m} holds codes up to {top}, outside FP4's 0..15")
-        bad_global.extend(_format_scale_problems(m, qt, global_scales))
-        fp4_mx = fp4_mx or s.is_nvfp4 or s.is_mx
-        if same:
-            amax = known.amax
-        else:
-            amax = float(w.abs().max()) if w.numel() else 0.0
-        if not math.isfinite(amax) or amax > WEIGHT_RANGE[1] or 0 < amax < WEIGHT_RANGE[0]:
-            implausible.append(f"{m} decodes to weights up to {amax:.3g} (scale {float(qt.scale.abs().max()):.3g}), "
-                               f"outside {WEIGHT_RANGE[0]:g}..{WEIGHT_RANGE[1]:g}")
-        if act_scheme is not None and act_scheme.has_static_scale:
-            static_act.append(m)
-        if in_scale is not None:
-            if act_scheme.is_nvfp4:  # a global input scale multiplies: 448·6 / amax
-                a = 448.0 * 6.0 / float(in_scale.reshape(-1)[0])
-            else:
-                qmax = 448.0 if act_scheme.is_fp8 else float(act_scheme.qmax)
-                a = float(in_scale.reshape(-1)[0]) * qmax
-            if not (math.isfinite(a) and ACT_RANGE[0] < a < ACT_RANGE[1]):
-                act.append(f"{m}.input_scale implies activations up to {a:.3g}")
-        if arch is not None and m.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "qkv_proj") and (w is not None or ck.kv_cache):
-            if w is None:  # only the KV check uses the row norms
-                w = ck.written_weight(m, qt)
-            rownorm[m] = float(w.norm(dim=1).max())
+        fmt = lin.qt.format
+        _judge_values(m, lin, fmt, found, rep)
+        _judge_input_scale(m, lin, found)
+        if arch is not None and m.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "qkv_proj") and (lin.w is not None or ck.kv_cache):
+            if lin.w is None:  # only the KV check uses the row norms
+                lin.w = ck.written_weight(m, lin.qt)
+            found.rownorm[m] = float(lin.w.norm(dim=1).max())
         if source is not None and arch is not None:
-            layer_records = algo_records.get(str(layer_of(m, arch)))
-            if frame_unknown(layer_records):
-                uncompared.append(m)
-                continue
-            if same:  # these bytes decode to exactly what was measured against the source
-                judge(m, known.error, bound, s)
-                del qt
-                continue
-            try:
-                ref = reference_weight(source, m, arch, layer_records)
-            except QtkError as e:
-                compare.append(f"{m}: the source has no such weight ({e.problem})")
-                continue
-            if list(ref.shape) != list(w.shape):
-                compare.append(f"{m}: the source weight is {list(ref.shape)}, the checkpoint's {list(w.shape)} "
-                               "(is the source the model it was converted from?)")
-                continue
-            judge(m, relative_error(w, ref), bound, s)
-        del qt, w
+            _compare_with_source(source, ck, m, lin, fmt.error_bound(lin.qt.scheme), recorded,
+                                 algo_records.get(str(layer_of(m, arch))), found, rep)
+        del lin
 
-    # ---- dense tensors, one at a time
-    quantized = set(mods)
-    dense_seen, nonfinite = set(), []
-    stats: dict[str, float] = {}  # norm weights' max |effective value|, biases' max |b|, dense k/v row norms
+
+def _read_linear(ck, m: str, shape, measured: dict, found: _Findings) -> _Linear | None:
+    """Module m's tensors checked against its scheme and decoded; None (and a structure problem) when they cannot be."""
+    from qtk.quant.qtensor import qtensor_digest
+
+    if shape is None or len(shape) != 2:
+        found.structure.append(f"{m}: quantized tensors for a module the config does not have")
+        return None
+    try:
+        problems = ck.check_module(m, tuple(shape))
+        if problems:
+            found.structure.extend(problems)
+            return None
+        qt = ck.qtensor(m)
+        if tuple(qt.shape) != tuple(shape):
+            found.structure.append(f"{m} decodes to {list(qt.shape)}, the config implies {shape}")
+            return None
+        known = measured.get(m)
+        if known is not None and qtensor_digest(qt) != known.digest:
+            known = None
+        w = None if known is not None else ck.written_weight(m, qt)
+        scheme = ck.scheme_for(m)
+        act = scheme.activations if scheme is not None else None
+        in_scale = ck.input_scale(m) if (act is not None and act.has_static_scale) else None
+    except QtkError as e:
+        found.structure.append(f"{m}: {e.problem}")
+        return None
+    except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:  # tensors that do not fit together
+        found.structure.append(f"{m} cannot be decoded ({e.__class__.__name__}: {' '.join(str(e).split())[:120]})")
+        return None
+    return _Linear(qt, scheme, w, known, in_scale)
+
+
+def _judge_values(m: str, lin: _Linear, fmt, found: _Findings, rep: CheckReport) -> None:
+    """Scales finite and positive, values not collapsed and on the format's grid, the format's own scale checks, and
+    a decoded weight a trained model could have."""
+    import torch
+
+    qt = lin.qt
+    s = qt.scheme  # the scheme the config gives this module: its bound, its grid
+    rep.modules[m] = f"{str(qt.values.dtype).replace('torch.', '')} {list(qt.shape)} {s.describe()}"
+    # finite and positive in one pass: NaN propagates through aminmax, so a NaN scale fails too
+    lo_s, hi_s = (float(x) for x in torch.aminmax(qt.scale.float())) if qt.scale.numel() else (1.0, 1.0)
+    if not (lo_s > 0 and hi_s < math.inf):
+        found.bad_scale.append(m)
+    v = qt.values.reshape(-1)
+    collapsed, off = fmt.value_problems(m, v, s)
+    if collapsed:
+        found.constant.append(f"{m}: every quantized value is {v[0].item()} (collapsed)")
+    found.off_grid.extend(off)
+    if fmt.scale_checks:
+        found.scale_checks.setdefault(fmt.scale_checks, []).extend(fmt.scale_problems(m, qt))
+        shared = fmt.shared_value(qt)
+        if shared is not None:
+            found.shared[m] = shared
+    amax = lin.known.amax if lin.known is not None else (float(lin.w.abs().max()) if lin.w.numel() else 0.0)
+    if not math.isfinite(amax) or amax > WEIGHT_RANGE[1] or 0 < amax < WEIGHT_RANGE[0]:
+        found.implausible.append(f"{m} decodes to weights up to {amax:.3g} (scale {float(qt.scale.abs().max()):.3g}), "
+                                 f"outside {WEIGHT_RANGE[0]:g}..{WEIGHT_RANGE[1]:g}")
+
+
+def _judge_input_scale(m: str, lin: _Linear, found: _Findings) -> None:
+    """A static input scale implies an activation range (its format's static_amax) a trained model could have."""
+    from qtk.quant.formats import format_for
+
+    act = lin.scheme.activations if lin.scheme is not None else None
+    if act is None or not act.has_static_scale:
+        return
+    found.static_act.append(m)
+    if lin.in_scale is not None:
+        a = format_for(act).static_amax(float(lin.in_scale.reshape(-1)[0]), act)
+        if not (math.isfinite(a) and ACT_RANGE[0] < a < ACT_RANGE[1]):
+            found.act.append(f"{m}.input_scale implies activations up to {a:.3g}")
+
+
+def _compare_with_source(source, ck, m: str, lin: _Linear, bound: float, recorded: dict, records_json,
+                         found: _Findings, rep: CheckReport) -> None:
+    """Module m's error against the source weight in its frame, in rep.errors, held to its format's bound and to the
+    figure qtk.json recorded; a Linear whose frame cannot be rebuilt is counted as not compared."""
+    from qtk.quant.error import relative_error
+
+    if frame_unknown(records_json):
+        found.uncompared.append(m)
+        return
+    if lin.known is not None:  # these bytes decode to exactly what was measured against the source
+        err = lin.known.error
+    else:
+        try:
+            ref = reference_weight(source, m, ck.arch, records_json)
+        except QtkError as e:
+            found.compare.append(f"{m}: the source has no such weight ({e.problem})")
+            return
+        if list(ref.shape) != list(lin.w.shape):
+            found.compare.append(f"{m}: the source weight is {list(ref.shape)}, the checkpoint's {list(lin.w.shape)} "
+                                 "(is the source the model it was converted from?)")
+            return
+        err = relative_error(lin.w, ref)
+    rep.errors[m] = err
+    s = lin.qt.scheme
+    if not err <= bound:
+        found.compare.append(f"{m}: error {err:.3f} against the source exceeds {bound} for {s.describe()}")
+    elif m in recorded and not abs(err - float(recorded[m])) <= MANIFEST_TOLERANCE:
+        found.compare.append(f"{m}: error {err:.4f} on disk, qtk.json recorded {float(recorded[m]):.4f}")
+    elif recorded and m not in recorded:
+        found.compare.append(f"{m}: qtk.json records no error for it")
+
+
+def _check_dense(ck, shapes: dict, tied: list, quantized: set[str], finite: set[str], found: _Findings) -> None:
+    """Every dense tensor, one at a time: a tensor of this model in its shape, a float, finite; the values the KV
+    bounds need (norm weights, biases, dense k/v row norms); every tied group stored once."""
+    from qtk.io.safetensors import as_tensor
+    from qtk.quant.finite import all_finite
+
+    arch = ck.arch
     one_plus = bool(arch is not None and arch.norm_one_plus)
     try:
         for name, t in ck.iter_dense_stored():  # an embedding unread: scanned from disk in chunks
-            dense_seen.add(name)
+            found.dense_seen.add(name)
             want = shapes.get(name)
             if want is None:
-                structure.append(f"{name} is not a tensor of this model (config: {ck.hf_config.get('model_type')})")
+                found.structure.append(f"{name} is not a tensor of this model (config: {ck.hf_config.get('model_type')})")
                 continue
             if list(t.shape) != want:
-                structure.append(f"{name} has shape {list(t.shape)}, the config implies {want}")
+                found.structure.append(f"{name} has shape {list(t.shape)}, the config implies {want}")
                 continue
             if not t.is_floating_point():
-                structure.append(f"{name} is stored as {str(t.dtype).replace('torch.', '')}, not a float tensor")
+                found.structure.append(f"{name} is stored as {str(t.dtype).replace('torch.', '')}, not a float tensor")
                 continue
             values = name.endswith(("norm.weight", ".bias")) or (
                 arch is not None and name.endswith(("k_proj.weight", "v_proj.weight", "qkv_proj.weight")))
             if values:  # small tensors whose values the bounds need
                 t = as_tensor(t)
             if name not in finite and not all_finite(t):
-                nonfinite.append(name)
+                found.nonfinite.append(name)
                 continue
             if name.endswith("norm.weight"):
-                stats[name] = float(((1 + t.float()) if one_plus else t.float()).abs().max())
+                found.stats[name] = float(((1 + t.float()) if one_plus else t.float()).abs().max())
             elif name.endswith(".bias"):
-                stats[name] = float(t.float().abs().max())
+                found.stats[name] = float(t.float().abs().max())
             elif arch is not None and name.endswith(("k_proj.weight", "v_proj.weight", "qkv_proj.weight")):
-                rownorm[name[: -len(".weight")]] = float(t.float().norm(dim=1).max())
+                found.rownorm[name[: -len(".weight")]] = float(t.float().norm(dim=1).max())
             del t
     except QtkError as e:
-        structure.append(str(e.problem))
+        found.structure.append(str(e.problem))
     for group in tied:
         names = sorted(group)
-        if any(n in dense_seen or (n.endswith(".weight") and n[: -len(".weight")] in quantized) for n in names):
+        if any(n in found.dense_seen or (n.endswith(".weight") and n[: -len(".weight")] in quantized) for n in names):
             continue
-        structure.append(f"{names[0]} is missing (the config's model needs it)")
-    rep.add(STRUCTURE, structure,
-            f"{len(mods)} quantized Linears, {len(dense_seen)} dense tensors")
+        found.structure.append(f"{names[0]} is missing (the config's model needs it)")
 
-    # ---- coverage: what the recipe quantizes is quantized, and the config says so
+
+def _report_linears(ck, mods: list[str], recipe, recipe_problem: str | None, source, source_note: str, found: _Findings,
+                    rep: CheckReport) -> None:
+    """Coverage (what the recipe quantizes is quantized, and the config says so), the recipe qtk.json records against
+    the config (recipe_problem: why it could not be read), scales, the formats' own scale checks, collapsed and
+    implausible weights, and the comparison with the source."""
+    arch = ck.arch
     if arch is not None:
         expected = expected_quantized(ck, arch, recipe)
+        quantized = set(mods)
         missing = [m for m in expected if m not in quantized]
         hidden = [m for m in mods if _ignored(m, ck)]
         problems = [f"not quantized: {', '.join(missing[:5])}"] if missing else []
         problems += [f"the config's ignore covers {m}, which holds quantized tensors" for m in hidden[:3]]
         rep.add("every targeted Linear is quantized", problems, f"{len(mods)} quantized")
-    rep.add("weight scales finite and positive", bad_scale)
-    if fp4_mx:
-        bad_global.extend(_fused_global_problems(global_scales, ck, arch))
-        rep.add("NVFP4 global scales finite and shared in fused groups; E8M0 scales in range", bad_global)
-    rep.add("quantized weights not constant", constant)
-    rep.add("weights decode to plausible values", off_grid + implausible)
+    if recipe is not None or recipe_problem:
+        rep.add(RECIPE_AGREES, [recipe_problem] if recipe_problem else _recipe_disagreements(ck, mods, recipe),
+                f"{len(mods)} quantized Linears as the recipe says")
+    rep.add("weight scales finite and positive", found.bad_scale)
+    for name, problems in found.scale_checks.items():
+        rep.add(name, problems + _fused_shared_problems(found.shared, arch))
+    rep.add("quantized weights not constant", found.constant)
+    rep.add("weights decode to plausible values", found.off_grid + found.implausible)
     if source is not None and arch is not None:
+        recorded = ((ck.manifest or {}).get("stats") or {}).get("weight_error") or {}
         detail = f"{len(rep.errors)} Linears, max error {max(rep.errors.values(), default=0):.4f}"
         if recorded:
             detail += f", within {MANIFEST_TOLERANCE:g} of qtk.json"
-        if uncompared:
-            detail += f"; {len(uncompared)} not compared (qtk.json holds no AWQ scales for their layers: an older qtk wrote it)"
-        rep.add("written weights match the source", compare, detail)
+        if found.uncompared:
+            detail += (f"; {len(found.uncompared)} not compared (their layers' records in qtk.json cannot rebuild the "
+                       "frame they were quantized in: an older qtk wrote it)")
+        rep.add("written weights match the source", found.compare, detail)
     else:
         rep.checks.append(Check("written weights match the source", True,
                                 f"skipped: {source_note or 'no source model given'}", skipped=True))
 
-    # ---- KV cache and activation scales
-    n_layers = int(ck.hf_config["num_hidden_layers"])
+
+def _report_scales(ck, found: _Findings, rep: CheckReport) -> None:
+    """KV scales, static activation scales, dense tensors finite."""
+    n_layers = int(text_config(ck.hf_config)["num_hidden_layers"])
     if ck.kv_cache:
-        _check_kv(ck, arch, n_layers, rownorm, stats, rep)
-    if static_act:
-        no_in = [m for m in static_act if ck.input_scale(m) is None]
-        rep.add("static activation scales present and plausible", [f"{m}.input_scale is missing" for m in no_in[:3]] + act)
-    rep.add("dense tensors finite", [f"{n} has NaN/Inf" for n in nonfinite])
-    return rep
+        _check_kv(ck, ck.arch, n_layers, found.rownorm, found.stats, rep)
+    if found.static_act:
+        no_in = [m for m in found.static_act if ck.input_scale(m) is None]
+        rep.add("static activation scales present and plausible",
+                [f"{m}.input_scale is missing" for m in no_in[:3]] + found.act)
+    rep.add("dense tensors finite", [f"{n} has NaN/Inf" for n in found.nonfinite])
 
 
-def _constant(v) -> bool:
-    """Whether every element of the 1-D float tensor `v` equals the first (as `(v == v[0]).all()`: +0 equals -0, NaN
-    equals nothing). FP8's == has no vectorized kernel; its bytes are compared instead."""
-    import torch
-
-    if v.element_size() != 1:
-        return bool((v == v[0]).all())
-    u = v.view(torch.uint8)
-    lo, hi = (int(x) for x in torch.aminmax(u))
-    if not v.is_floating_point():  # FP4 codes are uint8: equal values are equal bytes
-        return lo == hi
-    if lo != hi:  # several bytes: equal values only if every one is +0 (0x00) or -0 (0x80), which needs lo 0, hi 0x80
-        return lo == 0 and hi == 0x80 and int(torch.aminmax(u & 0x7F)[1]) == 0
-    return not bool(torch.isnan(v[0].float()))
-
-
-def _format_scale_problems(m: str, qt, global_scales: dict[str, float]) -> list[str]:
-    """NVFP4: the weight global scale finite and positive (recorded for the fused-group check); MX: every E8M0 scale a
-    finite power of two (code 255 is NaN)."""
-    import torch
-
-    out = []
-    gs = qt.extra.get("global_scale")
-    if gs is not None:
-        g = float(gs.reshape(-1)[0])
-        if not (math.isfinite(g) and g > 0):
-            out.append(f"{m}.weight_global_scale is {g}")
-        else:
-            global_scales[m] = g
-    if qt.scheme.is_mx:
-        from qtk.quant.native.scan import count_not_pow2
-
-        sc = qt.scale.float()
-        n_bad = count_not_pow2(sc)
-        if n_bad is None:  # a positive finite power of two (subnormal too) has mantissa 0.5; NaN, Inf, <= 0 fail
-            n_bad = int((torch.frexp(sc).mantissa != 0.5).sum())
-        if n_bad:
-            out.append(f"{m}: {n_bad} E8M0 scales are NaN (code 255) or not powers of two")
-    return out
-
-
-def _fused_global_problems(global_scales: dict[str, float], ck, arch) -> list[str]:
-    """Linears the engines fuse (q/k/v, gate/up) must carry one NVFP4 global scale: vLLM keeps one per fused layer
-    and TensorRT-LLM asserts they are equal."""
+def _fused_shared_problems(shared: dict[str, float], arch) -> list[str]:
+    """Linears the engines fuse (q/k/v, gate/up) must carry one tensor-wide value (NVFP4's global scale): vLLM keeps
+    one per fused layer and TensorRT-LLM asserts they are equal."""
     if arch is None:
         return []
     out = []
-    for m, g in global_scales.items():
+    for m, g in shared.items():
         for group in arch.fusion_groups:
             if m.endswith("." + group[0]):
                 prefix = m[: -len(group[0])]
-                vals = {x: global_scales.get(prefix + x) for x in group}
+                vals = {x: shared.get(prefix + x) for x in group}
                 if len({v for v in vals.values() if v is not None}) > 1:
                     out.append(f"{prefix}{{{','.join(group)}}} have different global scales "
                                f"({', '.join(f'{v:g}' for v in vals.values() if v is not None)}); the engines fuse them "
@@ -534,14 +563,39 @@ def _check_kv(ck, arch, n_layers: int, rownorm: dict, stats: dict, rep: CheckRep
 
 
 def _manifest_recipe(manifest: dict):
-    from qtk.recipe import parse_recipe
+    """(the recipe qtk.json records, None) or (None, why it cannot be read). The recipe text is read as any recipe
+    file is (bounded: its aliases, its patterns); coverage then falls back to the checkpoint's own ignore."""
+    from qtk.recipe import parse_recipe_text
 
-    text = ((manifest.get("recipe") or {}).get("text")) or ""
+    rec = manifest.get("recipe")
+    text = rec.get("text") if isinstance(rec, dict) else None
     if not text:
-        return None
+        return None, None
+    if not isinstance(text, str):
+        return None, "qtk.json's recipe text is not text"
     try:
-        import yaml
+        return parse_recipe_text(text, "qtk.json"), None
+    except QtkError as e:
+        return None, f"qtk.json's recipe cannot be read ({e.problem})"
 
-        return parse_recipe(yaml.safe_load(text), text=text, origin="qtk.json recipe")
-    except Exception:  # a recipe this qtk cannot parse (another version): fall back to the checkpoint's own ignore
-        return None
+
+def _weights_key(s) -> tuple:
+    """What a weight scheme fixes about the stored tensors in every format: type, bits, granularity, block, scale
+    dtype. Not the symmetry: a format may store symmetric weights with zero points (AWQ's GEMM layout always has
+    them), which its reader reports as asymmetric."""
+    grouped = s.strategy in ("group", "tensor_group")
+    return (s.type, s.num_bits, s.strategy, s.group_size if grouped else None,
+            tuple(s.block_structure) if s.strategy == "block" and s.block_structure else None, s.scale_dtype)
+
+
+def _recipe_disagreements(ck, mods: list[str], recipe) -> list[str]:
+    """Quantized Linears whose weight scheme in the config (the one their tensors were checked against) is not the one
+    the recipe gives them: a qtk.json that says 8-bit over int4 tensors describes another checkpoint."""
+    out = []
+    for m in mods:
+        want, got = recipe.scheme_for(m), ck.scheme_for(m)
+        if want is None or got is None:  # ignored by the recipe, or no config part: the coverage checks report them
+            continue
+        if _weights_key(want.weights) != _weights_key(got.weights):
+            out.append(f"{m}: the recipe says {want.weights.describe()}, the config and tensors {got.weights.describe()}")
+    return out

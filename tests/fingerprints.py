@@ -28,7 +28,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DATA = HERE / "data" / "fingerprints.json"
 EXAMPLE = ROOT / "examples" / "tiny-llama"
-TARGETS = ("vllm", "trtllm", "hf-modelopt", "gptq", "awq")
 CALIB = {"num_samples": 8, "seq_len": 64, "seed": 0}
 
 # name -> how to build it (None: the shipped example model)
@@ -116,9 +115,9 @@ def _drop_versions(cfg) -> None:
 
 
 def accepted_targets(model: Path, recipe: str, options: dict) -> list[str]:
-    """The targets whose writer accepts the recipe for this model (asked of each writer, one at a time)."""
+    """The targets whose writer accepts the recipe for this model (asked of each registered writer, one at a time)."""
     from qtk.errors import UsageError
-    from qtk.export import ExportOptions, writer_for
+    from qtk.export import TARGETS, ExportOptions, writer_for
     from qtk.model.source import ModelSource
     from qtk.recipe import load_recipe
 

@@ -265,7 +265,7 @@ def test_awq_checkpoints_without_recorded_scales_are_not_misjudged(tiny_llama, c
 def test_constant_compares_values_bytewise_for_one_byte_dtypes():
     """checks._constant: +0 and -0 are equal, NaN equals nothing, any other byte breaks constancy (fp8 bytes compared
     without a float copy); uint8 FP4 codes and int8 values equal when their bytes are."""
-    from qtk.checks import _constant
+    from qtk.quant.formats.base import all_equal as _constant
 
     fp8 = lambda codes: torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert _constant(fp8([0x38] * 5))  # 1.0 everywhere

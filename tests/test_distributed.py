@@ -19,7 +19,7 @@ import torch
 from models import make_tiny_model
 
 WORKER = Path(__file__).parent / "dist_worker.py"
-NS, T = 8, 32  # 4 windows per rank
+NS, T, BATCH = 10, 64, 4  # micro-batches of 4, 4 and 2 windows: no even split of the windows keeps them
 RECIPES = ["w4a16-gptq", "int8-kv8", "w4a16-awq", "fp8-kv8"]  # GPTQ; SmoothQuant+GPTQ+int8 KV; AWQ; fp8 static+KV
 
 
@@ -62,7 +62,7 @@ def model(tmp_path_factory):
 
 
 def _options(calib_file, **kw):
-    return {"calib": str(calib_file), "num_samples": NS, "seq_len": T, "batch_size": 2, **kw}
+    return {"calib": str(calib_file), "num_samples": NS, "seq_len": T, "batch_size": BATCH, **kw}
 
 
 @pytest.fixture(scope="module")
@@ -101,54 +101,52 @@ def _one_rank(model, calib_file, recipe, out, monkeypatch):
     return hessians
 
 
-def _reload_logits(d):
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
-    m = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
-                                             quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return m(ids).logits
-
-
-# 8-bit GPTQ needs float32 quotients here: bf16 ones (resolution 0.5 for |q| >= 64) put nearly every int8 column on a
-# rounding tie that flips with the Hessian's summation order (qtk/algorithms/gptq.py); int8-kv8 runs by default for it.
-
-
-def _recipes():
-    return [pytest.param(r, marks=[] if r in ("w4a16-gptq", "int8-kv8") else pytest.mark.slow) for r in RECIPES]
-
-
-@pytest.mark.parametrize("recipe", _recipes())
-def test_two_ranks_match_one(recipe, two_ranks, model, calib_file, tmp_path, monkeypatch):
-    """2 gloo processes write what 1 writes, up to float reassociation of the reduced statistics: Hessians within
-    1e-5 relative, >= 99.9 % of integer codes (fp8 values) identical, scales close, reload logits within 1e-3."""
+def _code_agreement(one: Path, two: Path) -> str:
+    """Where two checkpoints' integer codes (fp8 values) agree, per layer: what a failure reports."""
     from qtk.export import open_checkpoint
 
+    a, b = open_checkpoint(one), open_checkpoint(two)
+    per_layer: dict[str, list[int]] = {}
+    for m in a.modules():
+        qa, qb = a.qtensor(m), b.qtensor(m)
+        n = per_layer.setdefault(m.split(".")[2], [0, 0])
+        n[0] += (qa.values == qb.values).sum().item()
+        n[1] += qa.values.numel()
+    same, total = sum(s for s, _ in per_layer.values()), sum(t for _, t in per_layer.values())
+    return f"codes identical: {100 * same / total:.2f} % (" + ", ".join(
+        f"layer {k}: {100 * s / t:.2f} %" for k, (s, t) in per_layer.items()) + ")"
+
+
+def _manifest_without_run_facts(d: Path) -> dict:
+    m = json.loads((d / "qtk.json").read_text())
+    for k in ("created", "timings"):  # when and how fast it ran: the only entries a run may differ in
+        m.pop(k)
+    return m
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_two_ranks_write_the_bytes_one_rank_writes(recipe, two_ranks, model, calib_file, tmp_path, monkeypatch):
+    """The calibration micro-batches are the same whatever the number of processes (each rank takes whole ones), so
+    2 gloo processes compute every activation, statistic and solve of 1 process bit for bit: GPTQ solves with the same
+    Hessians and every tensor file is byte-identical, as is the manifest (weight errors, input and K/V amax,
+    algorithm records, calibration record). The windows do not split into equal micro-batches per rank (10 windows,
+    --batch-size 4: 4 + 4 + 2), where a split of the windows gives each rank other micro-batches."""
     root, res = two_ranks
     assert all(o["ok"] for o in res[recipe]), (res[recipe], res["_logs"])
     two = root / recipe / "vllm"
     one = tmp_path / "one"
     h1 = _one_rank(model, calib_file, recipe, one, monkeypatch)
+    one = one / "vllm"
     h2 = res["_hessians"].get(recipe, {})
     assert set(h1) == set(h2)
-    for k in h1:
-        rel = ((h1[k] - h2[k]).norm() / h1[k].norm()).item()
-        assert rel <= 1e-5, f"Hessian {k}: {rel}"
+    unequal = [k for k in h1 if not torch.equal(h1[k], h2[k])]
 
-    a, b = open_checkpoint(one / "vllm"), open_checkpoint(two)
-    assert a.modules() == b.modules() and a.modules()
-    same = total = 0
-    for m in a.modules():
-        qa, qb = a.qtensor(m), b.qtensor(m)
-        same += (qa.values == qb.values).sum().item()
-        total += qa.values.numel()
-        torch.testing.assert_close(qb.scale.float(), qa.scale.float(), rtol=2e-2, atol=0)
-    assert same / total >= 0.999, f"{same / total:.5f} of the codes identical"
-    for layer in range(3):
-        assert a.kv_scales(layer) == pytest.approx(b.kv_scales(layer), rel=1e-6) if a.kv_scales(layer) else True
-    diff = (_reload_logits(one / "vllm") - _reload_logits(two)).abs().max().item()
-    assert diff <= 1e-3, f"reload logits differ by {diff}"
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in two.iterdir())
+    differ = [n for n in names if n not in ("qtk.json", "README.md")  # README names its own path
+              and (one / n).read_bytes() != (two / n).read_bytes()]
+    assert not differ and not unequal, f"{differ} differ, Hessians {unequal} differ; {_code_agreement(one, two)}"
+    assert _manifest_without_run_facts(one) == _manifest_without_run_facts(two)
     # only rank 0 wrote: OUT holds the output and nothing of another process
     assert sorted(p.name for p in (root / recipe).iterdir()) == ["vllm"]
 

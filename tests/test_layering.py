@@ -2,7 +2,8 @@
 
 docs/architecture.md states the layers; this test is where they are enforced. A module may import modules of its
 own level or lower, never higher; imports inside functions count too (a lazy import is still a dependency, it only
-moves the cost). Within a level, and across levels, the module graph has no cycles.
+moves the cost). Within a level, and across levels, the module graph has no cycles. Inside a package the same holds
+where the package has layers of its own (qtk.quant: the native kernels below the primitives below the formats).
 """
 
 from __future__ import annotations
@@ -19,10 +20,21 @@ LEVELS: dict[str, int] = {
     "qtk": 0,  # qtk/__init__.py: the version and the error classes
     "qtk.errors": 0,
     "qtk.validation": 0,
+    "qtk.bounds": 0,
     "qtk.progress": 0,
     "qtk.interrupts": 0,
+    "qtk.registry": 0,
     "qtk.io": 1,
-    "qtk.quant": 2,
+    "qtk.quant": 2,  # the scheme vocabulary, the deferred torch
+    "qtk.quant.native": 2.1,  # the C kernels: built, loaded, self-tested; know no format
+    "qtk.quant.e4m3": 2.2,  # primitives the formats share, which call the kernels where they apply
+    "qtk.quant.fp4": 2.2,
+    "qtk.quant.pack": 2.2,
+    "qtk.quant.finite": 2.2,
+    "qtk.quant.error": 2.2,
+    "qtk.quant.formats": 2.3,  # one object per number format, and QTensor, which carries one
+    "qtk.quant.qtensor": 2.3,
+    "qtk.quant.qparams": 2.3,
     "qtk.recipe": 3,
     "qtk.model": 4,
     "qtk.calib": 4,
@@ -85,6 +97,14 @@ def _imports(path: Path, module: str) -> set[str]:
 
 MODULES: dict[str, Path] = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 GRAPH: dict[str, set[str]] = {m: _imports(p, m) for m, p in MODULES.items()}
+
+
+def test_the_native_kernels_sit_below_the_formats():
+    """The formats give the kernels their plans and check them against their own arithmetic; the kernels know no
+    format (an import from qtk.quant.native into qtk.quant.formats would run up the layers)."""
+    assert _level("qtk.quant.native.rounding") < _level("qtk.quant.fp4") < _level("qtk.quant.formats.nvfp4")
+    native = [m for m in MODULES if m.startswith("qtk.quant.native")]
+    assert native and not [(m, t) for m in native for t in GRAPH[m] if t.startswith("qtk.quant.formats")]
 
 
 def test_every_module_has_a_level():

@@ -15,7 +15,7 @@ import torch
 from qtk.recipe.params import AWQParams
 from qtk.algorithms.smooth import scale_linear_columns
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import QuantScheme
+from qtk.quant.scheme import QuantScheme, Strategy
 
 CLIP_BATCH_ELEMENTS = 1 << 24  # bounds the [rows, tokens, n_groups] partial outputs of the clip search
 
@@ -128,7 +128,7 @@ def awq_search_clip(x: torch.Tensor, W: torch.Tensor, scheme: QuantScheme, param
     g = _group_size(scheme, in_f)
     n_groups = in_f // g
     search_scheme = replace(scheme, observer="minmax")
-    if scheme.strategy == "tensor":
+    if scheme.strategy == Strategy.TENSOR:
         search_scheme = replace(search_scheme, strategy="channel")
     xg = _tokens(x.reshape(-1, in_f).float(), params.n_sample_tokens).reshape(-1, n_groups, g)  # [n, n_groups, g]
     n_tok = xg.shape[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +19,7 @@ from qtk.recipe.params import GPTQParams
 from qtk.errors import QtkError, UsageError
 from qtk.quant.formats import QParams, format_for
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import QuantScheme
+from qtk.quant.scheme import QuantScheme, Strategy
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     follow that order and the QTensor carries g_idx [in]; with "static" g_idx stays None
     (column // group_size; compressed-tensors actorder "weight").
 
+    The steps: _check (what GPTQ cannot solve), _setup (dead columns, the visiting order, qparams fixed up front,
+    the upper Cholesky factor of the damped H⁻¹: the inputs of the paper's Algorithm 1), _column_loop (Algorithm 1),
+    then the QTensor in the original column order and the losses.
+
     info: damp (absolute, added to diag H), damp_percent (relative, after retries), retries,
     dead_columns, loss (1/n Σ‖(W − Q)x‖² = tr(ΔW H ΔWᵀ)/2, the layer's mean output error),
     loss_estimate (the paper's Σ (w − q)²/[Hinv]²_jj / 2, which equals tr(ΔW (H + damp·I) ΔWᵀ)/2), actorder (None | "group" | "weight"),
@@ -160,11 +165,37 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     """
     dtype = dtype or W.dtype
     label = f" ({name})" if name else ""
-    out_f, in_f = W.shape
+    _check(W, H, scheme, label)
+    st = _setup(W, H, scheme, params, dtype, label)
+    solved = _column_loop(st, dequantized)
+    qt, Qd = _qtensor(st, solved)
+
+    def layer_loss() -> float:
+        dW = W.float() - (qt.dequantize() if Qd is None else Qd)  # dW [out, in]
+        return ((dW @ H.to(dW.device, torch.float32)) * dW).sum().item() / 2
+
+    info = {
+        "damp": st.damp,
+        "damp_percent": st.damp / st.mean_diag,
+        "retries": st.retries,
+        "dead_columns": int(st.dead.sum()),
+        "loss": layer_loss() if loss else None,  # loss=False: the caller splits it
+        "loss_estimate": float(solved.row_loss.sum()),
+        "loss_estimate_rows": solved.row_loss,  # [out] float64, the estimate per row of W
+        "actorder": None if not params.reorders else ("group" if qt.g_idx is not None else "weight"),
+        "dequantized": Qd,
+    }
+    return qt, info
+
+
+def _check(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, label: str) -> None:
+    """Refuse what GPTQ cannot solve: a Hessian of another width or not finite, groups that do not divide W's
+    columns, FP8 blocks (a 2-D scale: round-to-nearest solves them)."""
+    in_f = W.shape[1]
     if H.shape != (in_f, in_f):
         raise ValueError(f"gptq_quantize{label}: H is {tuple(H.shape)} but W has {in_f} input features")
     g = scheme.column_group  # columns sharing a scale (groups; NVFP4's and MX's groups of 16 / 32)
-    if scheme.strategy == "block":
+    if scheme.strategy == Strategy.BLOCK:
         raise UsageError(f"GPTQ{label}: FP8 block weights ({scheme.describe()}) are solved by round-to-nearest",
                          "use algorithm: [rtn] with FP8 block weights")
     if g is not None and in_f % g:
@@ -173,11 +204,51 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     if not torch.isfinite(H).all():
         raise UsageError(f"GPTQ{label}: the Hessian has inf/nan entries",
                          "calibration activations overflowed; check the calibration data or run in float32/bfloat16")
-    W0, H0 = W, H
+
+
+@dataclass
+class _Setup:
+    """What the column loop starts from: the format and its quantizer, the columns sharing a scale (g) and whether
+    their qparams are taken as each group starts (dynamic_groups) or were fixed up front (qp), the visiting order
+    (perm, None: in order), the inputs that were always zero (dead), Hinv (the upper Cholesky factor of
+    (H + damp·I)⁻¹ in visiting order: the paper's H⁻¹ ← Cholesky(H⁻¹)ᵀ) with its damping, and Wt (Wᵀ [in, out] in
+    visiting order, dead columns zeroed; the loop runs on it, so a column of W is one contiguous row)."""
+
+    fmt: object
+    scheme: QuantScheme
+    params: GPTQParams
+    dtype: torch.dtype
+    g: int | None
+    dynamic_groups: bool
+    qp: QParams | None
+    perm: torch.Tensor | None
+    dead: torch.Tensor
+    Hinv: torch.Tensor
+    damp: float
+    retries: int
+    mean_diag: float
+    Wt: torch.Tensor
+    quantize_column: object = None
+
+    def fixed_qparams(self, i1: int, i2: int):
+        """scale, zero of the visited columns i1..i2 from qp, as [count, out] (groups) or [1, out] (channel / tensor)."""
+        scale, zero = self.qp.scale, self.qp.zero_point
+        if self.g is None:
+            return scale.reshape(1, -1), None if zero is None else zero.reshape(1, -1)
+        cols = torch.arange(i1, i2, device=self.Wt.device) if self.perm is None else self.perm[i1:i2]
+        grp = cols // self.g  # [count], the original group of each visited column
+        return scale[:, grp].t().contiguous(), None if zero is None else zero[:, grp].t().contiguous()
+
+
+def _setup(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params: GPTQParams, dtype: torch.dtype,
+           label: str) -> _Setup:
+    """Dead columns (H_jj := 1, W[:, j] := 0), the qparams fixed up front, the visiting order, the damped H⁻¹'s
+    upper Cholesky factor (_damped_hinv) and Wᵀ in visiting order."""
+    in_f = W.shape[1]
     diag = torch.diag(H).to(W.device, torch.float32)  # [in]
     dead = diag == 0  # inputs that were always zero: their weights do not matter (H_jj := 1, W[:, j] := 0)
     any_dead = bool(dead.any())
-
+    g = scheme.column_group
     fmt = format_for(scheme)  # the number format decides qparams, rounding and storage; the loop is the same for all
     dynamic_groups = g is not None and not params.static_groups and params.actorder != "static"
     qp = None  # the whole weight's qparams, when fixed up front (with any extras of its format)
@@ -188,22 +259,18 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
             Wq = Wq.clone()
             Wq[:, dead] = 0
         qp = fmt.qparams(Wq, scheme, dtype)
-        scale, zero = qp.scale, qp.zero_point
         del Wq
     elif fmt.tensor_wide(scheme):  # the tensor-wide part (NVFP4's global scale) is fixed before the groups are
         qp = fmt.qparams(W.float(), scheme, dtype)
-    gscales: list[torch.Tensor] = []
-    gzeros: list[torch.Tensor | None] = []
 
     perm = None
     if params.reorders:
         perm = torch.argsort(torch.where(dead, 1.0, diag), descending=True, stable=True)  # perm [in]
     dead_v = dead if perm is None else dead[perm]  # dead, in visiting order
-
     rev = (perm if perm is not None else torch.arange(in_f, device=W.device)).flip(0)  # visiting order, reversed
 
     def make_h():  # private fp32 J H J [in, in] (H in visiting order, reversed: see _damped_hinv), dead H_jj = 1
-        Hp = H0.to(W.device, torch.float32)[rev[:, None], rev]
+        Hp = H.to(W.device, torch.float32)[rev[:, None], rev]
         if any_dead:
             Hp.diagonal()[dead_v.flip(0)] = 1
         return Hp
@@ -211,125 +278,147 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params:
     diag_v = torch.where(dead, 1.0, diag) if perm is None else torch.where(dead, 1.0, diag)[perm]
     Hinv, damp, retries, mean_diag = _damped_hinv(make_h, diag_v, params, label)  # Hinv [in, in], upper triangular
 
-    # The loop runs on Wᵀ [in, out]: a column of W is then one contiguous row, so each column's few vector ops
-    # stream through memory instead of striding across it. Two levels of lazy updates: inside a sub-block of
-    # `sub` columns the quantization error is spread column by column (rank-1), onto the rest of the block once
-    # per sub-block and onto the later blocks once per block (GEMMs). Same arithmetic, fewer bytes moved.
-    sub = math.gcd(SUB_BLOCK, params.block_size, g if dynamic_groups else SUB_BLOCK)  # group starts open a sub-block
-    Wt = torch.empty(in_f, out_f, dtype=torch.float32, device=W.device)  # Wt [in, out], in visiting order,
-    Wt.copy_(W.t() if perm is None else W.t()[perm])                    # updated in place as errors are compensated
+    Wt = torch.empty(in_f, W.shape[0], dtype=torch.float32, device=W.device)  # Wt [in, out], in visiting order,
+    Wt.copy_(W.t() if perm is None else W.t()[perm])                          # updated in place as errors are compensated
     if any_dead:
         Wt[dead_v] = 0
-
-    def fixed_block_qparams(i1: int, i2: int):
-        """scale, zero of the visited columns i1..i2, as [count, out] (groups) or [1, out] (channel / tensor)."""
-        if g is None:
-            return scale.reshape(1, -1), None if zero is None else zero.reshape(1, -1)
-        cols = torch.arange(i1, i2, device=W.device) if perm is None else perm[i1:i2]
-        grp = cols // g  # [count], the original group of each visited column
-        return scale[:, grp].t().contiguous(), None if zero is None else zero[:, grp].t().contiguous()
-
-    Qt = torch.empty(in_f, out_f, dtype=fmt.storage_dtype(scheme), device=Wt.device)  # [in, out]
-    Qdt = torch.empty_like(Wt) if dequantized else None  # dequantized [in, out], as the loop computed it
-    row_loss = torch.zeros(out_f, dtype=torch.float64, device=Wt.device)  # Σ_j (w − q)²/[Hinv]²_jj / 2 per row of W
-    bs = params.block_size
     # (w [out], s, z) -> (q, dequantized q). Below 8 bits each column is rounded as RTN rounds it for the model dtype
     # (the quotient w / s in bf16 for a bf16 model, compressed-tensors' arithmetic), so GPTQ with a diagonal Hessian
-    # is RTN; on the real model (docs/real-model.md) that measured 18.18 perplexity against 19.55 with float32
-    # quotients. 8-bit grids keep float32 quotients, as llm-compressor's GPTQ computes them: bf16 resolves only 0.5
-    # for |q| >= 64, so nearly every int8 column would land on a rounding tie whose outcome flips with the Hessian's
-    # summation order (a 2-rank run agreed with 1 rank on ~79 % of int8 codes).
+    # is RTN, which also measured a lower perplexity on the real model (docs/real-model.md) than float32 quotients.
+    # 8-bit grids keep float32 quotients, as llm-compressor's GPTQ computes them: bf16 resolves only 0.5 for
+    # |q| >= 64, so nearly every int8 column would land on a rounding tie whose outcome flips with the Hessian's
+    # summation order (processes would disagree on many int8 codes).
     quantize_column = fmt.column_quantizer(scheme, qp, model_dtype=dtype if scheme.num_bits < 8 else None)
+    return _Setup(fmt, scheme, params, dtype, g, dynamic_groups, qp, perm, dead, Hinv, damp, retries, mean_diag, Wt,
+                  quantize_column)
+
+
+@dataclass
+class _Solved:
+    """What the column loop chose, in visiting order: the codes Qt [in, out], their decode Qdt (None when not kept),
+    the paper's loss per row of W, and the qparams of each group as it started (dynamic groups)."""
+
+    Qt: torch.Tensor
+    Qdt: torch.Tensor | None
+    row_loss: torch.Tensor
+    gscales: list[torch.Tensor]
+    gzeros: list[torch.Tensor | None]
+
+
+def _column_loop(st: _Setup, dequantized: bool) -> _Solved:
+    """Algorithm 1 of the paper on Wᵀ, block by block (B = params.block_size columns):
+
+        for i = 0, B, 2B, ...:
+            for j = i .. i+B-1:                                        _quantize_block
+                Q[:, j] = quant(W[:, j])
+                E[:, j-i] = (W[:, j] - Q[:, j]) / [H⁻¹]_jj
+                W[:, j:i+B] -= E[:, j-i] · H⁻¹[j, j:i+B]
+            W[:, i+B:] -= E · H⁻¹[i:i+B, i+B:]                        (the lazy batch update)
+
+    Inside a block the update of the block's later columns is itself lazy: rank-1 within a sub-block of a few
+    columns, a GEMM onto the rest of the block once per sub-block. Same arithmetic, fewer bytes moved."""
+    in_f, out_f = st.Wt.shape
+    solved = _Solved(torch.empty(in_f, out_f, dtype=st.fmt.storage_dtype(st.scheme), device=st.Wt.device),
+                     torch.empty_like(st.Wt) if dequantized else None,
+                     torch.zeros(out_f, dtype=torch.float64, device=st.Wt.device), [], [])
+    bs = st.params.block_size
     for i1 in range(0, in_f, bs):
         i2 = min(i1 + bs, in_f)
-        count = i2 - i1
-        W1 = Wt[i1:i2]  # W1 [count, out], a view: these rows are final once this block is done
-        Q1 = Qt[i1:i2]
-        Err1 = torch.zeros_like(W1)  # rows not reached yet stay zero (read by a group that runs past the block)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        d1 = Hinv1.diagonal().tolist()
-        if dynamic_groups:
-            S1 = torch.empty_like(W1)  # [count, out]
-            Z1 = torch.empty_like(W1) if fmt.has_zero_point(scheme) else None
-            if i1 % g:  # the group that started in an earlier block goes on here
-                S1[:] = gscales[-1].reshape(1, -1)
-                if Z1 is not None:
-                    Z1[:] = gzeros[-1].reshape(1, -1)
-        else:
-            S1, Z1 = fixed_block_qparams(i1, i2)
-        per_col = S1.shape[0] > 1
-
-        for j1 in range(0, count, sub):
-            j2 = min(j1 + sub, count)
-            for i in range(j1, j2):
-                j = i1 + i
-                if dynamic_groups and j % g == 0:  # i == j1: every earlier column's update has been applied
-                    cols = W1[i:i + g]  # [<= g, out]
-                    if j + g > i2:
-                        # the group runs past this block: bring its later columns up to date with the
-                        # updates still pending from this block (Err1 is zero from row i on)
-                        rest = Wt[i2:j + g] - Hinv[i1:i2, i2:j + g].t() @ Err1
-                        cols = torch.cat([cols, rest], dim=0)
-                    gq = fmt.group_qparams(cols.t(), scheme, dtype, qp)  # [out, 1]
-                    sc, zc = gq.scale, gq.zero_point
-                    gscales.append(sc)
-                    gzeros.append(zc)
-                    S1[i:i + g] = sc.reshape(1, -1)
-                    if Z1 is not None:
-                        Z1[i:i + g] = zc.reshape(1, -1)
-                s = S1[i] if per_col else S1[0]  # [out] (or [1] per tensor)
-                z = None if Z1 is None else (Z1[i] if per_col else Z1[0])
-                w = W1[i]  # w [out]
-                err1 = Err1[i]
-                q, dq = quantize_column(w, s, z)
-                torch.sub(w, dq, out=err1).div_(d1[i])  # [out]
-                Q1[i] = q
-                if i + 1 < j2:  # column i itself is done: only later columns need the update
-                    W1[i + 1:j2].addr_(Hinv1[i, i + 1:j2], err1, alpha=-1)
-            if j2 < count:
-                W1[j2:].addmm_(Hinv1[j1:j2, j2:].t(), Err1[j1:j2], alpha=-1)
-
-        if Qdt is not None:
-            Qdt[i1:i2] = fmt.dequantize_columns(Q1, S1, Z1, qp)  # elementwise, as each column's dq above
-        row_loss += Err1.square().sum(0, dtype=torch.float64) / 2
+        Err1, S1, Z1 = _quantize_block(st, solved, i1, i2)
+        if solved.Qdt is not None:
+            solved.Qdt[i1:i2] = st.fmt.dequantize_columns(solved.Qt[i1:i2], S1, Z1, st.qp)  # as each column's dq
+        solved.row_loss += Err1.square().sum(0, dtype=torch.float64) / 2
         if i2 < in_f:
-            Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of the remaining columns
-    del Wt
-    Qv, Qd = Qt.t(), None if Qdt is None else Qdt.t()  # [out, in]
-    loss_estimate = float(row_loss.sum())
+            st.Wt[i2:].addmm_(st.Hinv[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of the remaining columns
+    st.Wt = None  # every column is final: freed before the QTensor is assembled
+    return solved
 
+
+def _quantize_block(st: _Setup, solved: _Solved, i1: int, i2: int):
+    """Columns i1..i2 (visiting order) of one block, each quantized with its group's qparams (taken as the group
+    starts, or fixed up front) and its error spread over the block's later columns. Returns the block's errors Err1
+    [count, out] (the paper's E), and its scales and zero points per column ([count | 1, out])."""
+    Wt, Hinv, g = st.Wt, st.Hinv, st.g
+    count = i2 - i1
+    sub = math.gcd(SUB_BLOCK, st.params.block_size, g if st.dynamic_groups else SUB_BLOCK)  # group starts open one
+    W1 = Wt[i1:i2]  # W1 [count, out], a view: these rows are final once this block is done
+    Q1 = solved.Qt[i1:i2]
+    Err1 = torch.zeros_like(W1)  # rows not reached yet stay zero (read by a group that runs past the block)
+    Hinv1 = Hinv[i1:i2, i1:i2]
+    d1 = Hinv1.diagonal().tolist()
+    if st.dynamic_groups:
+        S1 = torch.empty_like(W1)  # [count, out]
+        Z1 = torch.empty_like(W1) if st.fmt.has_zero_point(st.scheme) else None
+        if i1 % g:  # the group that started in an earlier block goes on here
+            S1[:] = solved.gscales[-1].reshape(1, -1)
+            if Z1 is not None:
+                Z1[:] = solved.gzeros[-1].reshape(1, -1)
+    else:
+        S1, Z1 = st.fixed_qparams(i1, i2)
+    per_col = S1.shape[0] > 1
+
+    for j1 in range(0, count, sub):
+        j2 = min(j1 + sub, count)
+        for i in range(j1, j2):
+            j = i1 + i
+            if st.dynamic_groups and j % g == 0:  # i == j1: every earlier column's update has been applied
+                _start_group(st, solved, W1, Err1, S1, Z1, i, i1, i2)
+            s = S1[i] if per_col else S1[0]  # [out] (or [1] per tensor)
+            z = None if Z1 is None else (Z1[i] if per_col else Z1[0])
+            w = W1[i]  # w [out]
+            err1 = Err1[i]
+            q, dq = st.quantize_column(w, s, z)  # Q[:, j] = quant(W[:, j])
+            torch.sub(w, dq, out=err1).div_(d1[i])  # E[:, j-i] = (W[:, j] - Q[:, j]) / [H⁻¹]_jj   [out]
+            Q1[i] = q
+            if i + 1 < j2:  # W[:, j:i+B] -= E[:, j-i] · H⁻¹[j, j:i+B], within the sub-block (column i is done)
+                W1[i + 1:j2].addr_(Hinv1[i, i + 1:j2], err1, alpha=-1)
+        if j2 < count:  # ... and onto the rest of the block once per sub-block
+            W1[j2:].addmm_(Hinv1[j1:j2, j2:].t(), Err1[j1:j2], alpha=-1)
+    return Err1, S1, Z1
+
+
+def _start_group(st: _Setup, solved: _Solved, W1, Err1, S1, Z1, i: int, i1: int, i2: int) -> None:
+    """The qparams of the group starting at visited column i1 + i, from its columns as they are now (already
+    error-compensated), into S1 / Z1 for the group's columns in this block."""
+    g = st.g
+    j = i1 + i
+    cols = W1[i:i + g]  # [<= g, out]
+    if j + g > i2:
+        # the group runs past this block: bring its later columns up to date with the
+        # updates still pending from this block (Err1 is zero from row i on)
+        rest = st.Wt[i2:j + g] - st.Hinv[i1:i2, i2:j + g].t() @ Err1
+        cols = torch.cat([cols, rest], dim=0)
+    gq = st.fmt.group_qparams(cols.t(), st.scheme, st.dtype, st.qp)  # [out, 1]
+    sc, zc = gq.scale, gq.zero_point
+    solved.gscales.append(sc)
+    solved.gzeros.append(zc)
+    S1[i:i + g] = sc.reshape(1, -1)
+    if Z1 is not None:
+        Z1[i:i + g] = zc.reshape(1, -1)
+
+
+def _qtensor(st: _Setup, solved: _Solved) -> tuple[QTensor, torch.Tensor | None]:
+    """The QTensor (and the decode the loop computed, [out, in] float32) in the original column order: the visiting
+    order undone, a g_idx when the groups followed it."""
+    in_f = solved.Qt.shape[0]
+    Qv, Qd = solved.Qt.t(), None if solved.Qdt is None else solved.Qdt.t()  # [out, in]
+    if st.dynamic_groups:
+        scale = torch.cat(solved.gscales, dim=1)  # [out, n_groups], groups in visiting order
+        zero = None if solved.gzeros[0] is None else torch.cat(solved.gzeros, dim=1)
+    else:
+        scale, zero = st.qp.scale, st.qp.zero_point
     g_idx = None
-    if dynamic_groups:
-        scale = torch.cat(gscales, dim=1)  # [out, n_groups], groups in visiting order
-        zero = None if gzeros[0] is None else torch.cat(gzeros, dim=1)
-    if perm is not None:
-        invperm = torch.argsort(perm)
+    if st.perm is not None:
+        invperm = torch.argsort(st.perm)
         Qv = Qv[:, invperm]
         Qd = None if Qd is None else Qd[:, invperm]
-        if dynamic_groups:
+        if st.dynamic_groups:
             # original column c was visited at position invperm[c], inside group invperm[c] // g
-            g_idx = (torch.arange(in_f, device=Qv.device) // g)[invperm].to(torch.int32)
+            g_idx = (torch.arange(in_f, device=Qv.device) // st.g)[invperm].to(torch.int32)
     Qv, Qd = Qv.contiguous(), None if Qd is None else Qd.contiguous()
-
-    extra = {} if qp is None else qp.extra
-    qt = QTensor.of(Qv, QParams(scale.float(), None if zero is None else zero.float(), extra), scheme, dtype, g_idx)
-
-    def layer_loss() -> float:
-        dW = W0.float() - (qt.dequantize() if Qd is None else Qd)  # dW [out, in]
-        return ((dW @ H0.to(dW.device, torch.float32)) * dW).sum().item() / 2
-
-    info = {
-        "damp": damp,
-        "damp_percent": damp / mean_diag,
-        "retries": retries,
-        "dead_columns": int(dead.sum()),
-        "loss": layer_loss() if loss else None,  # loss=False: the caller splits it
-        "loss_estimate": loss_estimate,
-        "loss_estimate_rows": row_loss,  # [out] float64, the estimate per row of W
-        "actorder": None if not params.reorders else ("group" if g_idx is not None else "weight"),
-        "dequantized": Qd,
-    }
-    return qt, info
+    extra = {} if st.qp is None else st.qp.extra
+    qt = QTensor.of(Qv, QParams(scale.float(), None if zero is None else zero.float(), extra), st.scheme, st.dtype, g_idx)
+    return qt, Qd
 
 
 def gptq_quantize_shared(Ws: list[torch.Tensor], H: torch.Tensor, scheme: QuantScheme, params: GPTQParams,

@@ -71,7 +71,7 @@ class ConvertJob:
             if self.writes:
                 self.output.open()  # OUT created and locked for the run; what killed runs left there is swept
             try:
-                ids, calib_info = calibration.calibration_ids(self.source, self.recipe, self.options, self.stage, self.timings)
+                ids, calib_info = calibration.calibration_for(self.source, self.recipe, self.options, self.stage, self.timings)
                 ids = self.share(ids)
                 self.open_writers(calib_info)
                 stats = self.quantize(ids)
@@ -81,6 +81,7 @@ class ConvertJob:
                     # the written tensors go to disk while the self-check reads them back from the page cache
                     self.flushing = BackgroundFlush([w.dir for w in self.writers])
                     self.self_check()
+                    self.engine_check(m)
                     self.commit(m)
                 m = self.reducer.broadcast_object(m)  # every process ends when the output is in place, with its manifest
             except BaseException as e:
@@ -120,16 +121,12 @@ class ConvertJob:
         self.writes = self.rank == 0
 
     def share(self, ids):
-        """This process's calibration windows (all of them in one process)."""
+        """This process's calibration windows, whole micro-batches of --batch-size (all of them in one process)."""
         if ids is None or self.reducer.world_size == 1:
             return ids
-        from qtk.errors import UsageError
         from qtk.pipeline.distributed import split_windows
 
-        if ids.shape[0] < self.reducer.world_size:
-            raise UsageError(f"{ids.shape[0]} calibration windows cannot be shared by {self.reducer.world_size} "
-                             "processes", "use at least one window per process (--num-samples), or fewer processes")
-        return split_windows(ids, self.rank, self.reducer.world_size)
+        return split_windows(ids, self.rank, self.reducer.world_size, self.options.batch_size)
 
     def distributed_failure(self, err: BaseException) -> BaseException:
         """A collective broken by a peer that left becomes that peer's error (PeerFailed); this process's own failure
@@ -149,14 +146,21 @@ class ConvertJob:
         ignore and override patterns, each writer's check, group sizes, the calibration's size, the tensors."""
         from qtk.export import check_targets, writer_for
         from qtk.model.source import ModelSource
-        from qtk.pipeline import check_group_size, check_ignore
+        from qtk.pipeline import check_group_size, check_ignore, check_source_format
+        from qtk.pipeline.targets import check_kv_cache
 
         r, o = self.recipe, self.options
         self.export_options = o.export
         self.writer_classes = {t: writer_for(t) for t in self.targets}
         self.source = ModelSource(self.model, allow_pickle=o.allow_pickle, trust_remote_code=o.trust_remote_code)
-        self.finals = output.final_paths(self.source, self.out, self.targets, o.overwrite)
+        self.finals = output.final_paths(self.source, self.out, self.targets, o.overwrite, o.also_writes)
+        if o.resume:
+            from qtk.convert.resume import check_state_dir
+
+            check_state_dir(self.out)
         check_ignore(self.source, r)
+        check_kv_cache(self.source, r)
+        check_source_format(self.source, r)
         check_targets(self.source, r, self.export_options, self.writer_classes)  # refuse unsupported combinations first
         check_group_size(self.source, r)  # from the headers, before calibration data is loaded
         calibration.warn_unused(r, o)
@@ -166,6 +170,10 @@ class ConvertJob:
         from qtk.pipeline.stream import streams
 
         self.source.layout() if streams(r, None) else self.source.skeleton()
+        from qtk.steps import source_view
+
+        # read through what the recipe's steps make of the tensors outside the layers (a rotation's embeddings)
+        self.source = source_view(self.source, r)
         self.output = output.OutputContext(self.out, self.targets, self.source.path, o.overwrite)
 
     def open_writers(self, calib_info: dict) -> None:
@@ -179,6 +187,8 @@ class ConvertJob:
                                       o.batch_size, self.stage, self.messages, world_size=self.reducer.world_size)
         self.writers = [self.writer_classes[t](self.output.tmps[t], self.source, self.recipe, self.export_options)
                         for t in self.targets]
+        for w in self.writers:  # what the source view says about the model it presents (an untied lm_head)
+            w.notes += getattr(self.source, "notes", [])
 
     def quantize(self, ids):
         from qtk.pipeline import run
@@ -248,6 +258,55 @@ class ConvertJob:
                 raise CheckFailed(f"post-conversion check of the {t} output failed: {'; '.join(rep.failures()[:2])}",
                                   "nothing was written; report this with the model config and recipe")
         self.timings["self_check"] = time.perf_counter() - t0
+
+    def engine_check(self, m: dict) -> None:
+        """--verify-engine: each output the engine loads, run in the installed engine on a few token windows against
+        qtk's simulation of the same bytes (qtk.eval.engine_check). A disagreement beyond the bounds is CheckFailed
+        (exit 1, nothing written); an engine that cannot run the checkpoint here (no kernel on this hardware, an
+        engine that does not start) is one line of the run's messages, and the manifest records what happened."""
+        engine = self.options.verify_engine
+        if not engine:
+            return
+        from qtk.calib import load_texts
+        from qtk.eval.engine_check import ENGINE_TARGETS, check_windows, verify_engine
+        from qtk.eval.vllm_process import EngineUnavailable, VLLMProcess
+
+        t0 = time.perf_counter()
+        self.stage(f"starting {engine} for the engine check")
+        texts = load_texts(self.options.calib, self.options.text_field or "text", self.options.split) \
+            if self.options.calib not in (None, "default") else None
+        windows = check_windows(self.source.tokenizer(), texts=texts,
+                                max_len=self.source.config_dict.get("max_position_embeddings") or None)
+        results = {}
+        try:
+            proc = VLLMProcess()
+        except EngineUnavailable as e:
+            proc, why = None, e.problem
+        try:
+            for t, w in zip(self.targets, self.writers):
+                if t not in ENGINE_TARGETS[engine]:
+                    continue
+                if proc is None:
+                    results[t] = {"status": "unavailable", "reason": why}
+                    self.messages.append(f"engine check: {engine} cannot run here ({why}); the {t} output was not run")
+                    continue
+                self.stage(f"running the {t} output in {engine}")
+                c = verify_engine(w.dir, engine=engine, windows=windows, proc=proc)
+                results[t] = c.to_json()
+                where = f"{engine} {proc.version} on {proc.device}"
+                if c.status == "runs" and c.disagreements:
+                    raise CheckFailed(f"engine check: {where} and qtk's simulation of the {t} output disagree "
+                                      f"({'; '.join(c.disagreements)}; {c.line()})",
+                                      "nothing was written; report this with the model config and recipe")
+                if c.status == "runs":
+                    self.messages.append(f"engine check: the {t} output runs in {where} as qtk simulates it ({c.line()})")
+                else:
+                    self.messages.append(f"engine check: {where} cannot run the {t} output here ({c.reason[:300]})")
+        finally:
+            if proc is not None:
+                proc.close()
+        m["engine_check"] = results
+        self.timings["engine_check"] = time.perf_counter() - t0
 
     def wait_flush(self, quiet: bool = False) -> None:
         """Wait for the background flush started after `finish`; an error of it (a full disk) is raised here, unless

@@ -29,7 +29,8 @@ def build(source, recipe, hashes: dict, calib_info: dict, stats, timings: dict, 
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "recipe": {"name": recipe.name, "hash": recipe.hash, "text": recipe.text, "summary": recipe.summary()},
         "source": {"path": str(source.path.resolve()), "model_type": source.config_dict.get("model_type"),
-                   "dtype": str(source.dtype).replace("torch.", ""), "files_sha256": hashes},
+                   "dtype": str(source.dtype).replace("torch.", ""), "files_sha256": hashes,
+                   **({"quantization": source.quant.record()} if getattr(source, "quant", None) is not None else {})},
         "calibration": calib_info,
         "versions": versions(),
         "stats": {"weight_error": stats.weight_error, "kv_amax": stats.kv_amax, "input_amax": stats.input_amax,
@@ -47,13 +48,46 @@ def expert_stats(stats, recipe, writers) -> dict:
 
     n = recipe.calibration.min_expert_tokens
     starved = starved_experts(stats.expert_tokens, n)
+    treatment = expert_treatment(stats, recipe)
     if starved:
         total = sum(len(c) for c in stats.expert_tokens.values())
         shown = ", ".join(f"{k} ({v})" for k, v in list(starved.items())[:8]) + (", ..." if len(starved) > 8 else "")
         none = sum(1 for v in starved.values() if v == 0)
+        rtn = sum(1 for t in treatment.values() if t["weights"].startswith("rtn:"))
         note = (f"{len(starved)} of {total} experts received fewer than {n} calibration tokens: {shown}"
-                + (f"; {none} received none (GPTQ used RTN for them, smoothing s = 1)" if none else "")
-                + "; raise --num-samples or use more varied calibration text")
+                + (f"; {none} received none (smoothing s = 1 for them)" if none else "")
+                + (f"; GPTQ rounded {rtn} of them to nearest (RTN), too few tokens for a Hessian" if rtn else "")
+                + "; raise --num-samples or use more varied calibration text (stats.expert_treatment in qtk.json "
+                  "says how each expert was quantized)")
         for w in writers:
             w.notes.append(note)
-    return {"expert_tokens": stats.expert_tokens, "min_expert_tokens": n, "starved_experts": starved}
+    return {"expert_tokens": stats.expert_tokens, "min_expert_tokens": n, "starved_experts": starved,
+            "expert_treatment": treatment}
+
+
+def expert_treatment(stats, recipe) -> dict[str, dict]:
+    """Per routed expert (full name), what calibration gave it and what decided its quantization, from the layers'
+    records: `tokens` (routed to it), `weights` ("gptq"; "rtn" where the recipe rounds to nearest; "rtn: <why>"
+    where GPTQ had too few tokens for a Hessian), `smoothing` where the recipe smooths ("<step>"; "s = 1: <why>"
+    where nothing was migrated into its up -> down pair) and `input_scale` where the recipe calibrates static input
+    scales (every expert's is the max over the layer's experts, which vLLM's fused MoE runs them with)."""
+    out: dict[str, dict] = {}
+    for layer, recs in sorted(stats.records.items()):
+        gptq = recs.get("gptq", {})
+        smooth = {k: recs[k]["scales"] if k == "awq" else recs[k] for k in ("awq", "smoothquant") if k in recs}
+        for block, counts in recs.get("expert_tokens", {}).items():
+            rel_block = block.split(f".{layer}.", 1)[1]  # model.layers.3.mlp -> mlp
+            for e, n in enumerate(counts):
+                rel = f"{rel_block}.experts.{e}."
+                t: dict = {"tokens": n}
+                solves = {m: r for m, r in gptq.items() if m.startswith(rel)}
+                fallback = next((r["reason"] for r in solves.values() if r.get("fallback") == "rtn"), None)
+                t["weights"] = "rtn" if not solves else "gptq" if fallback is None else f"rtn: {fallback}"
+                for step, scales in smooth.items():
+                    pair = [v for m, v in scales.items() if m.startswith(rel)]
+                    t["smoothing"] = step if any(v is not None for v in pair) else \
+                        "s = 1: no calibration tokens" if n == 0 else "s = 1: the search kept the weights as they are"
+                if recipe.static_activations:
+                    t["input_scale"] = "max over the layer's experts"
+                out[f"{block}.experts.{e}"] = t
+    return out

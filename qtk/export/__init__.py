@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qtk.errors import CheckFailed, QtkError, UsageError
+from qtk.registry import Registry
 
-WRITERS: dict[str, type] = {}
-READERS: dict[str, type] = {}
+WRITERS = Registry("writer")  # target -> its Writer class
+READERS = Registry("reader")  # format -> its Checkpoint class
 # modules that register writers/readers; imported lazily so `import qtk` stays light
 _MODULES = ("qtk.export.vllm", "qtk.export.gptq", "qtk.export.awq", "qtk.export.trtllm", "qtk.export.modelopt",
             "qtk.export.hf_fp8")
@@ -22,14 +23,8 @@ _MODULES = ("qtk.export.vllm", "qtk.export.gptq", "qtk.export.awq", "qtk.export.
 TARGETS = ("vllm", "trtllm", "hf-modelopt", "gptq", "awq", "hf-fp8")
 
 
-def register_writer(cls):
-    WRITERS[cls.target] = cls
-    return cls
-
-
-def register_reader(cls):
-    READERS[cls.format] = cls
-    return cls
+register_writer = WRITERS.decorator(lambda cls: cls.target)
+register_reader = READERS.decorator(lambda cls: cls.format)
 
 
 def _load_all() -> None:
@@ -56,11 +51,21 @@ def accepting_targets(source, recipe, options, exclude=()) -> list[str]:
         if t in exclude:
             continue
         try:
-            WRITERS[t].check(source, recipe, options)
+            _check(t, source, recipe, options)
         except UsageError:
             continue
         ok.append(t)
     return ok
+
+
+def _check(target: str, source, recipe, options) -> None:
+    """One writer's check, after the one every writer shares: a vision-language model only to a writer that keeps its
+    vision tower and projector out of quantization."""
+    w = writer_for(target)
+    if source.arch.multimodal and not w.multimodal:
+        raise UsageError(f"target {target} does not write vision-language models ({source.arch.name}): qtk writes them "
+                         "to --target vllm only, whose config excludes the vision tower and projector from quantization")
+    w.check(source, recipe, options)
 
 
 def check_targets(source, recipe, options, targets) -> None:
@@ -68,7 +73,7 @@ def check_targets(source, recipe, options, targets) -> None:
     only another target would help) gets the targets that do accept the recipe, computed by asking their checks."""
     for t in targets:
         try:
-            writer_for(t).check(source, recipe, options)
+            _check(t, source, recipe, options)
         except UsageError as e:
             if e.fix is not None:
                 raise

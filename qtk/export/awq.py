@@ -18,12 +18,12 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.checkpoint import FLOATS, expect_tensor
+from qtk.export.checkpoint import FLOATS, config_scheme, expect_tensor
 from qtk.export.codecs import awq as codec
 from qtk.export.codecs.gptq import acts_in_order
 from qtk.export.gptq import LegacyCheckpoint, LegacyWriter, check_divisible, common_notes, refuse_common
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import QuantScheme
+from qtk.quant.scheme import QuantScheme, Strategy
 
 BITS = codec.BITS
 
@@ -42,7 +42,7 @@ class AWQWriter(LegacyWriter):
                              "(its quant_config has no per-module overrides), but the recipe's overrides give modules "
                              f"{len(recipe.schemes)} schemes")
         w = recipe.weights
-        if w.num_bits != BITS or w.strategy != "group":
+        if w.num_bits != BITS or w.strategy != Strategy.GROUP:
             raise UsageError(f"the awq target is int4 group-wise only, not {w.describe()}",
                              "use weights {num_bits: 4, strategy: group, group_size: 128}, or --target gptq / vllm")
         if recipe.writes_g_idx:
@@ -101,7 +101,8 @@ class AWQCheckpoint(LegacyCheckpoint):
             raise UsageError(f"{path}: AWQ version '{version}', {bits} bits, group_size {gs} is not a layout qtk reads",
                              "qtk reads AWQ GEMM checkpoints: 4-bit, group-wise")
         zero_point = bool(self.qconfig.get("zero_point", True))
-        self.weights_scheme = QuantScheme(num_bits=BITS, type="int", symmetric=not zero_point, strategy="group", group_size=gs)
+        self.weights_scheme = config_scheme(QuantScheme(num_bits=BITS, type="int", symmetric=not zero_point, strategy="group",
+                                                        group_size=gs), where=f"{path}: AWQ quantization config").weights
 
     def ignore_patterns(self) -> list[str]:
         # substring match, as vLLM and transformers apply modules_to_not_convert

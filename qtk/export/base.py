@@ -12,36 +12,13 @@ from qtk.export import ExportOptions
 from qtk.recipe.rules import ModuleScheme
 
 
-def next_format(scheme: ModuleScheme) -> str | None:
-    """The issue-14 format a module scheme is (NVFP4, NVFP4A16, MXFP4, MXFP8, FP8 block, W4A8-FP8,
-    W4A8-INT8), or None for the
-    int / per-tensor and per-channel fp8 formats every target knew before; for refusals that name what is refused."""
-    w, a = scheme.weights, scheme.activations
-    if w.is_nvfp4:
-        return "NVFP4" if a is not None else "NVFP4A16"
-    if w.is_mx:
-        return f"MXFP{w.num_bits}"
-    if w.strategy == "block":
-        return "FP8 block"
-    if a is not None and w.type == "int" and w.num_bits == 4 and a.is_fp8:
-        return "W4A8-FP8"
-    if a is not None and w.type == "int" and w.num_bits == 4 and a.type == "int":
-        return "W4A8-INT8"
-    return None
-
-
-def next_formats(recipe) -> list[str]:
-    """The issue-14 formats among a recipe's schemes."""
-    return [f for f in dict.fromkeys(next_format(s) for s in recipe.schemes) if f]
-
-
 def planned_schemes(source, recipe) -> dict[str, ModuleScheme]:
     """Every decoder-layer Linear the recipe quantizes, with its scheme (recipe.scheme_for), before any work: what a
     writer's check judges a mixed-precision recipe by."""
     out = {}
     for i in range(source.num_layers):
         prefix = source.layer_prefix(i)
-        for lin in source.arch.linears:
+        for lin in source.arch.at(i).linears:
             s = recipe.scheme_for(prefix + lin)
             if s is not None:
                 out[prefix + lin] = s
@@ -85,6 +62,8 @@ class Writer:
     description = ""
     loads_in = ""  # which engines load this output (README, --help)
     serves_with: tuple[str, ...] = ("vllm",)  # whose serving commands the output's README shows
+    # writes vision-language models (the vision tower and projector excluded from quantization by pattern)
+    multimodal = False
 
     def __init__(self, directory: Path, source, recipe, options: ExportOptions):
         self.dir = Path(directory)
@@ -142,10 +121,9 @@ class Writer:
         """README.md of the output: what it is, what loads it, and the serving flags that keep the KV cache in bounds.
         gpu: the plan's GPU; by default a B200 for FP4 recipes (only Blackwell runs FP4 natively), else an H100."""
         from qtk.plan import serving_section
+        from qtk.plan.serving import default_gpu
 
-        if gpu is None:
-            fp4 = any(m.weights.is_fp4 or (m.activations is not None and m.activations.is_fp4) for m in self.recipe.schemes)
-            gpu = "b200" if fp4 else "h100-80g"
+        gpu = gpu or default_gpu(self.recipe)
 
         r = manifest["recipe"]
         ctx = min(context, int(self.source.config_dict.get("max_position_embeddings") or context))

@@ -17,15 +17,33 @@ import torch
 from qtk.errors import CheckFailed
 from qtk.model.arch import ARCHS, Arch, arch_for, naming
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import QuantScheme
+from qtk.quant.scheme import QuantScheme, Strategy
 from qtk.recipe.rules import ModuleScheme
+
+
+# qtk.json holds per-Linear figures and per-layer algorithm records (AWQ's channel scales): tens of MB for the
+# largest models, never this
+MAX_MANIFEST_BYTES = 256 * 2**20
+
+
+def read_json(p: Path, limit: int):
+    """A JSON file of a checkpoint, at most `limit` bytes (ValueError beyond, or when it is not JSON: nesting past the
+    parser's stack included)."""
+    from qtk.bounds import parse_json
+
+    size = p.stat().st_size
+    if size > limit:
+        raise ValueError(f"{p.name} is {size:,} bytes, more than the {limit // 2**20} MiB qtk reads for it")
+    return parse_json(p.read_bytes())
 
 
 def config_quantization(path: Path) -> dict | None:
     """config.json's quantization_config in a checkpoint directory; None when absent or unreadable."""
+    from qtk.model.config_check import MAX_CONFIG_BYTES
+
     try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        cfg = read_json(Path(path) / "config.json", MAX_CONFIG_BYTES)
+    except (OSError, ValueError):
         return None
     qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
     return qc if isinstance(qc, dict) else None
@@ -62,7 +80,12 @@ class Checkpoint:
 
     def _read_config(self) -> tuple[dict, dict]:
         """config.json without its quantization_config, and that section."""
-        cfg = json.loads((self.path / "config.json").read_text())
+        from qtk.model.config_check import MAX_CONFIG_BYTES
+
+        try:
+            cfg = read_json(self.path / "config.json", MAX_CONFIG_BYTES)
+        except (OSError, ValueError) as e:
+            raise self._broken(f"config.json cannot be read ({' '.join(str(e).split())[:160]})") from None
         return cfg, cfg.pop("quantization_config")
 
     def __init__(self, path: Path):
@@ -97,10 +120,13 @@ class Checkpoint:
         return frozenset(self.modules())
 
     def schemes(self) -> dict[ModuleScheme, list[str]]:
-        """Every scheme in the checkpoint with the modules it covers, the most common first."""
+        """Every scheme in the checkpoint with the modules it covers, the most common first. A module that holds
+        quantized tensors but that no part of the config describes is left out (the checks report it)."""
         out: dict[ModuleScheme, list[str]] = {}
         for m in self.modules():
-            out.setdefault(self.scheme_for(m), []).append(m)
+            s = self.scheme_for(m)
+            if s is not None:
+                out.setdefault(s, []).append(m)
         return dict(sorted(out.items(), key=lambda kv: -len(kv[1])))
 
     def describe_weights(self) -> str:
@@ -203,9 +229,13 @@ class Checkpoint:
         if not p.is_file():
             return None
         try:
-            m = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            self.manifest_error = f"qtk.json is not valid JSON ({e.__class__.__name__})"
+            m = read_json(p, MAX_MANIFEST_BYTES)
+        except OSError as e:
+            self.manifest_error = f"qtk.json cannot be read ({e.__class__.__name__})"
+            return None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, too large, nested past the parser's stack
+            why = e.__class__.__name__ if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else str(e)
+            self.manifest_error = f"qtk.json is not valid JSON ({why})"
             return None
         if not isinstance(m, dict):
             self.manifest_error = "qtk.json is not a JSON object"
@@ -222,8 +252,8 @@ class Checkpoint:
             idx = self.path / f"{prefix}.safetensors.index.json"
             if idx.is_file():
                 try:
-                    wm = json.loads(idx.read_text()).get("weight_map")
-                except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                    wm = read_json(idx, MAX_MANIFEST_BYTES).get("weight_map")
+                except (OSError, ValueError, AttributeError):
                     raise self._broken(f"{idx.name} is not valid JSON with a weight_map") from None
                 if not isinstance(wm, dict):
                     raise self._broken(f"{idx.name} has no weight_map")
@@ -290,6 +320,20 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 SCALAR = ([], [1], [1, 1])  # shapes a per-tensor scale is stored with
 
 
+def config_scheme(weights: QuantScheme, activations: QuantScheme | None = None, where: str = "") -> ModuleScheme:
+    """The ModuleScheme a checkpoint's config declares, each scheme refused as a recipe's would be for its role
+    (qtk.recipe.schema.checked_scheme); one a recipe could not hold is a damaged or edited checkpoint (exit 1). The
+    pair is not judged here: whether its tensors match the config is the checks' to say, module by module."""
+    from qtk.errors import QtkError
+    from qtk.recipe.schema import checked_scheme
+
+    try:
+        return checked_scheme(weights, activations, where, together=False)
+    except QtkError as e:
+        raise CheckFailed(f"its config declares a scheme qtk cannot read: {e.problem}",
+                          "the checkpoint is damaged or was edited: re-run qtk convert") from None
+
+
 def expect_tensor(ck: Checkpoint, name: str, dtypes, shape, problems: list[str], what: str = "") -> bool:
     """Append a problem naming `name` unless it is stored with one of `dtypes` and the shape `shape` (a list, or a
     tuple of acceptable lists); True when it is fine."""
@@ -312,11 +356,11 @@ def expect_tensor(ck: Checkpoint, name: str, dtypes, shape, problems: list[str],
 
 def scale_shape(scheme: QuantScheme, out_f: int, in_f: int) -> list[int]:
     """The shape of a weight scale (and zero point) of a [out, in] weight under `scheme`, qtk's layout [out, groups]."""
-    if scheme.strategy == "tensor":
+    if scheme.strategy == Strategy.TENSOR:
         return [1]
-    if scheme.strategy == "channel":
+    if scheme.strategy == Strategy.CHANNEL:
         return [out_f, 1]
-    if scheme.strategy == "block":
+    if scheme.strategy == Strategy.BLOCK:
         bm, bn = scheme.block_structure
         return [-(-out_f // bm), -(-in_f // bn)]
     return [out_f, in_f // scheme.group_size if scheme.group_size else 0]

@@ -22,14 +22,17 @@ from pathlib import Path
 
 import torch
 
+from qtk.bounds import match as bounded_match
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.base import Writer, expert_overrides, next_formats, override_patterns
-from qtk.export.checkpoint import FLOATS, Checkpoint, expect_tensor
+from qtk.export.base import Writer, expert_overrides, override_patterns
+from qtk.export.checkpoint import FLOATS, Checkpoint, config_scheme, expect_tensor, read_json
 from qtk.export.codecs import gptq as codec
 from qtk.io.safetensors import SafetensorsFile, ShardedWriter
+from qtk.model.config_check import MAX_CONFIG_BYTES
+from qtk.plan.serving import kernel_families
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import QuantScheme
+from qtk.quant.scheme import QuantScheme, Strategy
 from qtk.recipe.rules import ModuleScheme
 
 GPTQ_BITS = (4, 8)  # what vLLM's gptq_marlin runs; 2-bit has no fast kernel and packs differently in places
@@ -42,10 +45,10 @@ def refuse_common(target: str, recipe, options) -> None:
     """Refusals every legacy weight-only format shares: no tp/pp, no fp8, no quantized activations."""
     if options.tp != 1 or options.pp != 1:
         raise UsageError("--tp/--pp apply to the trtllm target only", f"engines shard {target} checkpoints at load time: drop --tp/--pp")
-    new = next_formats(recipe)
+    new = kernel_families(recipe)
     if new:  # no fix of our own: the targets that accept the recipe are named by qtk.export.check_targets
         raise UsageError(f"the {target} target stores int4/int8 weight-only checkpoints, not {', '.join(new)} ({recipe.summary()})")
-    if any(s.weights.is_fp8 for s in recipe.schemes):
+    if any(s.weights.type != "int" for s in recipe.schemes):
         raise UsageError(f"the {target} target stores integer weights, not fp8", "use --target vllm (or trtllm) for fp8 recipes")
     if any(s.activations is not None for s in recipe.schemes):
         raise UsageError(f"the {target} target is weight-only and cannot store quantized activations "
@@ -209,7 +212,7 @@ class GPTQWriter(LegacyWriter):
             names, regexes = override_patterns(modules, self.source.arch)
             alternatives = [f"^{re.escape(n)}$" for n in names] + regexes
             rules[f"+:(?:{'|'.join(alternatives)})"] = {
-                "bits": scheme.num_bits, "group_size": scheme.group_size if scheme.strategy == "group" else -1,
+                "bits": scheme.num_bits, "group_size": scheme.group_size if scheme.strategy == Strategy.GROUP else -1,
                 "sym": scheme.symmetric}
         return rules
 
@@ -223,7 +226,7 @@ class GPTQWriter(LegacyWriter):
         cfg = {
             "quant_method": "gptq",
             "bits": w.num_bits,
-            "group_size": w.group_size if w.strategy == "group" else -1,
+            "group_size": w.group_size if w.strategy == Strategy.GROUP else -1,
             "desc_act": self.desc_act,
             "sym": w.symmetric,
             # the recipe's gptq.true_sequential: each sub-block's Hessian taken on inputs through the quantized earlier
@@ -268,17 +271,17 @@ def _quant_config(path: Path, method: str) -> dict | None:
     """The checkpoint's quantization config if its quant_method is `method`: config.json's
     quantization_config, else quantize_config.json / quant_config.json (older AutoGPTQ/AutoAWQ outputs)."""
     try:
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = read_json(path / "config.json", MAX_CONFIG_BYTES)
         qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
         if isinstance(qc, dict):
             return qc if str(qc.get("quant_method", "")).lower() == method else None
         for name in ("quantize_config.json", "quant_config.json"):
             p = path / name
             if p.is_file():
-                qc = json.loads(p.read_text())
+                qc = read_json(p, MAX_CONFIG_BYTES)
                 if isinstance(qc, dict) and str(qc.get("quant_method", method)).lower() == method:
                     return qc
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, ValueError):  # JSONDecodeError, too large, nested past the parser's stack
         return None
     return None
 
@@ -301,7 +304,10 @@ class LegacyCheckpoint(Checkpoint):
 
     def __init__(self, path: Path):
         super().__init__(path)
-        cfg = json.loads((self.path / "config.json").read_text())
+        try:
+            cfg = read_json(self.path / "config.json", MAX_CONFIG_BYTES)
+        except (OSError, ValueError) as e:
+            raise self._broken(f"config.json cannot be read ({' '.join(str(e).split())[:160]})") from None
         cfg.pop("quantization_config", None)
         self.hf_config = cfg
         self.qconfig = _quant_config(self.path, self.METHOD) or {}
@@ -321,8 +327,9 @@ class LegacyCheckpoint(Checkpoint):
 
 
 def _gptq_scheme(bits: int, group_size: int, sym: bool) -> QuantScheme:
-    return QuantScheme(num_bits=bits, type="int", symmetric=sym, strategy="group" if group_size > 0 else "channel",
-                       group_size=group_size if group_size > 0 else None)
+    s = QuantScheme(num_bits=bits, type="int", symmetric=sym, strategy="group" if group_size > 0 else "channel",
+                    group_size=group_size if group_size > 0 else None)
+    return config_scheme(s, where="GPTQ quantization config").weights
 
 
 @register_reader
@@ -359,7 +366,7 @@ class GPTQCheckpoint(LegacyCheckpoint):
             return None
         base = self.weights_scheme
         for pattern, rule in self.overrides:
-            if re.match(pattern, module):
+            if bounded_match(pattern, module):  # a checkpoint's pattern: under a time budget
                 gs = int(rule.get("group_size", base.group_size or -1))
                 return ModuleScheme(_gptq_scheme(int(rule.get("bits", base.num_bits)), gs, bool(rule.get("sym", base.symmetric))))
         return ModuleScheme(base)
@@ -368,7 +375,7 @@ class GPTQCheckpoint(LegacyCheckpoint):
         out_f, in_f = shape
         s = self.scheme_for(module).weights
         per = 32 // s.num_bits if s.num_bits in (2, 4, 8) else 0
-        groups = -(-in_f // s.group_size) if s.strategy == "group" else 1
+        groups = -(-in_f // s.group_size) if s.strategy == Strategy.GROUP else 1
         problems: list[str] = []
         expect_tensor(self, f"{module}.qweight", torch.int32, [in_f // per if per else -1, out_f], problems)
         expect_tensor(self, f"{module}.qzeros", torch.int32, [groups, out_f // per if per else -1], problems)

@@ -19,8 +19,9 @@ import torch
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer
-from qtk.export.checkpoint import Checkpoint, expect_tensor
+from qtk.export.checkpoint import Checkpoint, config_scheme, expect_tensor
 from qtk.io.safetensors import ShardedWriter
+from qtk.plan.serving import kernel_family
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme
 
@@ -34,7 +35,8 @@ def hf_fp8_scheme(recipe) -> tuple[int, int]:
     where = f"recipe {recipe.name}"
     if recipe.mixed:
         raise UsageError(f"{where}: the hf-fp8 format holds one block size for the whole model (no per-module schemes)")
-    if not (w.is_fp8 and w.strategy == "block" and a is not None and a.strategy == "group" and a.dynamic is True):
+    # FP8 block weights pair only with dynamic per-token-group FP8 activations (qtk.recipe.schema)
+    if not (kernel_family(recipe.default_scheme) == "FP8 block" and a is not None):
         raise UsageError(f"{where}: the hf-fp8 target (quant_method fp8) holds FP8 block weights with dynamic per-token-group "
                          f"activations only, not {recipe.summary()}")
     if recipe.kv_cache is not None:
@@ -110,8 +112,10 @@ class HFFP8Checkpoint(Checkpoint):
                              f"activation_scheme {qc.get('activation_scheme')!r} / scale_fmt {qc.get('scale_fmt')!r}",
                              "inspect it with transformers")
         self.block = (int(block[0]), int(block[1]))
-        self.weights_scheme = QuantScheme(8, "float", True, "block", block_structure=self.block)
-        self.activations = QuantScheme(8, "float", True, "group", self.block[1], dynamic=True)
+        scheme = config_scheme(QuantScheme(8, "float", True, "block", block_structure=self.block),
+                                QuantScheme(8, "float", True, "group", self.block[1], dynamic=True),
+                                f"{path}: weight_block_size {list(self.block)}")
+        self.weights_scheme, self.activations = scheme.weights, scheme.activations
         self.exclude = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [])
         self.dtype = getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
 

@@ -14,14 +14,16 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.base import Writer, next_formats
-from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, expect_tensor
+from qtk.export.base import Writer
+from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, config_scheme, expect_tensor, read_json
 from qtk.export.codecs import modelopt as codec
 from qtk.export.codecs.trtllm import w4a8_range_problem, w4a8_weight_amax
 from qtk.export.trtllm.algo import AWQ_GROUP_SIZES
 from qtk.io.safetensors import ShardedWriter
+from qtk.model.config_check import MAX_CONFIG_BYTES
+from qtk.plan.serving import kernel_families
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import FP8_MAX, QuantScheme
+from qtk.quant.scheme import FP8_MAX, QuantScheme, Strategy
 
 SCHEMES = {
     "FP8": (QuantScheme(8, "float", True, "tensor"), QuantScheme(8, "float", True, "tensor")),
@@ -41,7 +43,7 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
         if kv is not None and not kv.is_fp8:
             raise UsageError(f"{where}: ModelOpt HF checkpoints carry FP8 KV-cache scales only", "set kv_cache type: float")
         return ("NVFP4" if a is not None else "W4A16_NVFP4"), None if kv is None else "FP8", w.group_size
-    new = next_formats(recipe)
+    new = kernel_families(recipe)
     if new == ["W4A8-FP8"]:  # W4A8_AWQ, as ModelOpt's W4A8_AWQ_BETA_CFG exports it
         if a.dynamic:
             raise UsageError(f"{where}: ModelOpt's W4A8_AWQ quantizes activations to FP8 per tensor with a static "
@@ -69,9 +71,9 @@ def modelopt_quant(recipe) -> tuple[str, str | None, int | None]:
     if a is not None and not a.is_fp8:
         raise UsageError(f"{where}: INT8 SmoothQuant (W8A8) has no ModelOpt HF checkpoint form; TensorRT-LLM loads it only "
                          "from its own checkpoint", "use --target trtllm")
-    if w.is_fp8 and w.strategy == "tensor" and a is not None and not a.dynamic:
+    if w.is_fp8 and w.strategy == Strategy.TENSOR and a is not None and not a.dynamic:
         algo, group = "FP8", None
-    elif (not w.is_fp8 and a is None and w.num_bits == 4 and w.strategy == "group" and w.symmetric
+    elif (not w.is_fp8 and a is None and w.num_bits == 4 and w.strategy == Strategy.GROUP and w.symmetric
           and w.group_size in AWQ_GROUP_SIZES):
         if recipe.writes_g_idx:
             raise UsageError(f"{where}: ModelOpt's W4A16_AWQ has no g_idx for GPTQ actorder group", "set gptq actorder: static (no g_idx)")
@@ -107,7 +109,7 @@ class ModelOptHFWriter(Writer):
         a = source.arch
         self.exclude: list[str] = [a.lm_head, a.embed]
         # Linears whose input is no norm output keep an explicit (identity) pre-quant scale, as ModelOpt writes them
-        self.prequant = {n for p in a.smoothing if not p.prev_is_norm for n in p.nexts}
+        self.prequant = {n for k in (a.at(0), a) for p in k.smoothing if not p.prev_is_norm for n in p.nexts}
 
     def add_dense(self, name: str, tensor: torch.Tensor) -> None:
         self.shards.add(name, tensor)
@@ -183,22 +185,27 @@ class ModelOptHFCheckpoint(Checkpoint):
         cfg, qc = self._read_config()
         self.hf_config = cfg
         hq_path = self.path / "hf_quant_config.json"
-        q = json.loads(hq_path.read_text()).get("quantization", {}) if hq_path.is_file() else {}
+        try:
+            hq = read_json(hq_path, MAX_CONFIG_BYTES) if hq_path.is_file() else {}
+        except (OSError, ValueError) as e:
+            raise self._broken(f"hf_quant_config.json cannot be read ({' '.join(str(e).split())[:160]})") from None
+        q = (hq.get("quantization") if isinstance(hq, dict) else None) or {}
         self.quant_algo = q.get("quant_algo") or qc.get("quant_algo")
         self.exclude = list(q.get("exclude_modules") or qc.get("ignore") or [])
         if self.quant_algo == "FP8":
-            self.weights_scheme, self.activations = SCHEMES["FP8"]
+            w, a = SCHEMES["FP8"]
         elif self.quant_algo in ("W4A16_AWQ", "W4A8_AWQ"):
-            self.weights_scheme = QuantScheme(4, "int", True, "group", int(q.get("group_size") or 128))
-            self.activations = QuantScheme(8, "float", True, "tensor") if self.quant_algo == "W4A8_AWQ" else None
+            w = QuantScheme(4, "int", True, "group", int(q.get("group_size") or 128))
+            a = QuantScheme(8, "float", True, "tensor") if self.quant_algo == "W4A8_AWQ" else None
         elif self.quant_algo in codec.NVFP4_ALGOS:
-            self.weights_scheme = QuantScheme(4, "float", True, "tensor_group", 16)
-            self.activations = (QuantScheme(4, "float", True, "tensor_group", 16, dynamic="local")
-                                if self.quant_algo == "NVFP4" else None)
+            w = QuantScheme(4, "float", True, "tensor_group", 16)
+            a = QuantScheme(4, "float", True, "tensor_group", 16, dynamic="local") if self.quant_algo == "NVFP4" else None
         else:
             raise UsageError(f"{path}: qtk reads ModelOpt HF checkpoints with quant_algo FP8, W4A16_AWQ, W4A8_AWQ, NVFP4 or "
                              f"W4A16_NVFP4, not {self.quant_algo}",
                              "inspect it with ModelOpt or TensorRT-LLM")
+        scheme = config_scheme(w, a, f"{path}: quant_algo {self.quant_algo}")
+        self.weights_scheme, self.activations = scheme.weights, scheme.activations
         kv = q.get("kv_cache_quant_algo") or ("FP8" if qc.get("kv_cache_scheme") else None)
         self.kv_cache = "fp8" if kv == "FP8" else None
         self.dtype = getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")

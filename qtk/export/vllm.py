@@ -22,14 +22,18 @@ from pathlib import Path
 
 import torch
 
+from qtk.bounds import match as bounded_match
 from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
-from qtk.export.base import Writer, expert_overrides, next_format, override_patterns
-from qtk.export.checkpoint import FLOATS, SCALAR, Checkpoint, expect_tensor, scale_shape
+from qtk.export.base import Writer, expert_overrides, override_patterns
+from qtk.export.checkpoint import Checkpoint, config_scheme, expect_tensor
 from qtk.export.codecs import ct
 from qtk.io.safetensors import ShardedWriter
+from qtk.plan.serving import kernel_family
+from qtk.quant.formats import format_for
+from qtk.quant.formats.base import StoredView, check_input_scale
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import FP8_MAX, LOCAL, QuantScheme
+from qtk.quant.scheme import FP8_MAX, LOCAL, QuantScheme, Strategy
 from qtk.recipe.rules import ModuleScheme, matches
 
 KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
@@ -63,8 +67,9 @@ def ct_args(s: QuantScheme, actorder: str | None = None, fmt: str | None = None)
         "observer": None if s.dynamic is True else ("mse" if s.observer == "mse" else "minmax"),
         "observer_kwargs": {},
     }
-    if fmt in ct.SCALE_DTYPE:
-        out["scale_dtype"] = ct.SCALE_DTYPE[fmt]
+    scale_dtype = None if fmt is None else ct.scale_dtype(fmt)
+    if scale_dtype is not None:
+        out["scale_dtype"] = scale_dtype
     return out
 
 
@@ -78,6 +83,7 @@ class VLLMWriter(Writer):
     target = "vllm"
     description = "compressed-tensors checkpoint"
     loads_in = "vLLM (`vllm serve DIR`), transformers + compressed-tensors"
+    multimodal = True
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
@@ -88,6 +94,9 @@ class VLLMWriter(Writer):
         moe = source.arch.moe
         # routers stay dense; excluded by pattern, as llm-compressor writes it
         self.routers: list[str] = [] if moe is None else [f"re:.*{moe.block}\\.{moe.router}$"]
+        # a vision-language model's vision tower and projector stay in 16 bits: excluded by pattern, as llm-compressor
+        # writes it, which matches transformers' names and vLLM's alike
+        self.routers += [f"re:.*{re.escape(m.rpartition('.')[2])}.*" for m in source.arch.multimodal]
         self.groups: dict[ModuleScheme, list[str]] = {}  # modules per scheme, as written
 
     @classmethod
@@ -96,7 +105,7 @@ class VLLMWriter(Writer):
             raise UsageError(f"recipe {recipe.name}: GPTQ actorder group needs a g_idx, which compressed-tensors "
                              "(and so --target vllm) no longer accepts",
                              "set gptq actorder: static (same ordering, static groups, no g_idx), or use --target gptq")
-        static_w4a8 = [s for s in recipe.schemes if next_format(s) == "W4A8-FP8" and not s.activations.dynamic]
+        static_w4a8 = [s for s in recipe.schemes if kernel_family(s) == "W4A8-FP8" and not s.activations.dynamic]
         if static_w4a8:  # no fix of our own: the targets that accept the recipe are named by check_targets
             raise UsageError(f"recipe {recipe.name}: vLLM runs W4A8-FP8 (CompressedTensorsW4A8Fp8) with dynamic per-token "
                              "FP8 activations only, not static per-tensor ones")
@@ -107,7 +116,7 @@ class VLLMWriter(Writer):
                              "runs each layer's experts as one fused kernel with one scheme, looked up by expert 0's "
                              "names only (compressed_tensors_moe.py get_moe_method)",
                              "keep experts at the default scheme: target attention Linears only in overrides")
-        if any(s.weights.strategy == "block" for s in recipe.schemes):
+        if any(s.weights.strategy == Strategy.BLOCK for s in recipe.schemes):
             from qtk.pipeline.targets import check_fp8_blocks
 
             check_fp8_blocks(source, recipe, options.tp)  # what vLLM runs at the tp it will be served with
@@ -123,11 +132,11 @@ class VLLMWriter(Writer):
             notes.append("mixed precision: in transformers load it on the default path (from_pretrained without a "
                          "quantization_config): transformers' CompressedTensorsConfig(dequantize=True) decodes every "
                          "dense Linear with the first config group's scheme")
-        if any(next_format(s) == "W4A8-INT8" for s in recipe.schemes):
+        if any(kernel_family(s) == "W4A8-INT8" for s in recipe.schemes):
             notes.append("W4A8-INT8 (int-quantized, vLLM's CompressedTensorsW4A8Int) runs with INT8 activations on CPUs "
                          "(Arm KleidiAI) and Intel XPUs; vLLM's NVIDIA kernels have no INT8-activation path for it "
                          "(serve w4a8-fp8 on Hopper, w4a16-gptq elsewhere)")
-        if recipe.kv_cache is not None and not recipe.kv_cache.is_fp8:
+        if recipe.kv_cache is not None and recipe.kv_cache.type != "float":
             notes.append("vLLM has no INT8 KV cache with checkpoint scales: wrote FP8 KV scales (amax/448); "
                          "serve with --kv-cache-dtype fp8")
         return notes
@@ -221,15 +230,16 @@ class CompressedTensorsCheckpoint(Checkpoint):
         super().__init__(path)
         cfg, self.qconfig = self._read_config()
         self.hf_config = cfg
-        groups = list(self.qconfig["config_groups"].values())
+        groups = self.qconfig["config_groups"]
         if not groups:
             raise UsageError(f"{path}: no quantization config groups", "the checkpoint is not quantized; nothing to read")
         top = self.qconfig.get("format")
         # (targets, ModuleScheme, format) per group, in the config's order; a top-level format other than
         # "mixed-precision" is every group's
         self.groups = [(list(g.get("targets") or []),
-                        ModuleScheme(_scheme(g["weights"]), _scheme(g.get("input_activations"))),
-                        top if top and top != MIXED else g.get("format")) for g in groups]
+                        config_scheme(_scheme(g["weights"]), _scheme(g.get("input_activations")),
+                                      f"{path}: config group {name}"),
+                        top if top and top != MIXED else g.get("format")) for name, g in groups.items()]
         self.ct_format = top if top != MIXED else None  # the format of every group, when they share one
         self.weights_scheme, self.activations = self.groups[0][1].weights, self.groups[0][1].activations
         kv = self.qconfig.get("kv_cache_scheme")
@@ -243,7 +253,8 @@ class CompressedTensorsCheckpoint(Checkpoint):
     def _group_of(self, module: str):
         """(ModuleScheme, format) of a module by compressed-tensors' precedence; None when no target matches."""
         exact = [g for g in self.groups if module in g[0]]
-        regex = [g for g in self.groups if any(t.startswith("re:") and re.match(t[3:], module) for t in g[0])]
+        # a checkpoint's patterns, matched under a time budget (qtk.bounds): its config is untrusted input
+        regex = [g for g in self.groups if any(t.startswith("re:") and bounded_match(t[3:], module) for t in g[0])]
         by_class = [g for g in self.groups if "Linear" in g[0]]
         chosen = (exact or regex or by_class or [None])[0]
         return None if chosen is None else (chosen[1], chosen[2] or ct.ct_format(chosen[1]))
@@ -266,78 +277,34 @@ class CompressedTensorsCheckpoint(Checkpoint):
         return ct.decode(self.tensors(module), scheme.weights, self.dtype)
 
     def check_module(self, module: str, shape: tuple[int, int]) -> list[str]:
+        """The module's tensors as its weights' format writes them in the group's format (Format.check_stored), and
+        its static input scale when its activations have one."""
         scheme = self.scheme_for(module)
         if scheme is None:
             return [f"{module} holds quantized tensors but no config group targets it"]
-        s, fmt = scheme.weights, self.format_of(module)
-        out_f, in_f = shape
-        problems: list[str] = []
-        if fmt in (ct.NVFP4, ct.MXFP4, ct.MXFP8):
-            return self._check_fp4_mx(module, scheme, fmt, out_f, in_f)
-        if fmt == "pack-quantized":
-            per = 32 // s.num_bits if s.num_bits in (2, 4, 8) else 0
-            expect_tensor(self, f"{module}.weight_packed", torch.int32, [out_f, -(-in_f // per) if per else -1], problems)
-            if expect_tensor(self, f"{module}.weight_shape", (torch.int64, torch.int32), [2], problems):
-                got = self.tensor(f"{module}.weight_shape").tolist()
-                if got != [out_f, in_f]:
-                    problems.append(f"{module}.weight_shape says {got}, the config implies {[out_f, in_f]}")
-            if self.has(f"{module}.weight"):
-                problems.append(f"{module}.weight is an unpacked weight in a pack-quantized checkpoint")
-            zp = f"{module}.weight_zero_point"
-            if not s.symmetric:
-                groups = scale_shape(s, out_f, in_f)[-1]
-                expect_tensor(self, zp, torch.int32, [-(-out_f // per) if per else -1, groups], problems,
-                              " (asymmetric weights need zero points)")
-            elif self.has(zp):
-                problems.append(f"{zp} is present but the config declares symmetric weights")
-        else:
-            want = {"float-quantized": (torch.float8_e4m3fn,), "int-quantized": (torch.int8,)}.get(
-                fmt, (torch.float8_e4m3fn,) if s.is_fp8 else (torch.int8,))
-            expect_tensor(self, f"{module}.weight", want, [out_f, in_f], problems)
-        sc = scale_shape(s, out_f, in_f)
-        expect_tensor(self, f"{module}.weight_scale", FLOATS, SCALAR if sc == [1] else sc, problems, f" ({s.describe()})")
-        gi = f"{module}.weight_g_idx"
-        if self.has(gi):
-            expect_tensor(self, gi, (torch.int32, torch.int64), [in_f], problems)
-        ins = f"{module}.input_scale"
-        if scheme.static_activations:
-            expect_tensor(self, ins, FLOATS, SCALAR, problems, " (the config declares static activations)")
-        elif self.has(ins):
-            problems.append(f"{ins} is present but the config declares {'dynamic' if scheme.activations else 'no'} activation quantization")
+        fmt, problem = self.format_of(module), self._contradiction(scheme, self.format_of(module))
+        if problem:
+            return [f"{module}: {problem}"]
+        problems = format_for(scheme.weights).check_stored(_View(self), module, scheme, fmt, shape)
+        check_input_scale(_View(self), module, scheme, problems)
         return problems
 
-    def _check_fp4_mx(self, module: str, scheme: ModuleScheme, fmt: str, out_f: int, in_f: int) -> list[str]:
-        """The tensors of an NVFP4 / MXFP4 / MXFP8 module, as compressed-tensors' compressors write them."""
-        s, problems = scheme.weights, []
-        if (fmt == ct.NVFP4) != s.is_nvfp4 or (fmt in (ct.MXFP4, ct.MXFP8)) != s.is_mx:
-            return [f"{module}: config format {fmt} contradicts its weights scheme ({s.describe()})"]
-        g = s.group_size
-        if in_f % g:
-            return [f"{module}: in_features {in_f} is not a multiple of the {fmt} group of {g}"]
-        if fmt == ct.MXFP8:
-            expect_tensor(self, f"{module}.weight", (torch.float8_e4m3fn,), [out_f, in_f], problems)
-        else:
-            expect_tensor(self, f"{module}.weight_packed", (torch.uint8,), [out_f, in_f // 2], problems, " (two FP4 codes a byte)")
-        scale_dtype = torch.float8_e4m3fn if fmt == ct.NVFP4 else torch.uint8
-        expect_tensor(self, f"{module}.weight_scale", (scale_dtype,), [out_f, in_f // g], problems, f" ({s.describe()})")
-        if fmt == ct.NVFP4:
-            expect_tensor(self, f"{module}.weight_global_scale", (torch.float32,), SCALAR, problems)
-        key = f"{module}.{ct.input_scale_key(scheme)}"
-        if scheme.static_activations:
-            expect_tensor(self, key, (torch.float32,), SCALAR, problems, " (the config declares NVFP4 activations)")
-        elif self.has(key):
-            problems.append(f"{key} is present but the config declares no static activation scale")
-        return problems
+    @staticmethod
+    def _contradiction(scheme: ModuleScheme, fmt: str) -> str | None:
+        """Why a config group's format cannot hold its weights scheme, None when it can."""
+        s = scheme.weights
+        try:
+            ok = fmt in format_for(s).ct_formats
+        except ValueError:  # a scheme no number format quantizes
+            ok = False
+        return None if ok else f"config format {fmt} contradicts its weights scheme ({s.describe()})"
 
     def format_problems(self) -> list[str]:
         out = []
         for _, scheme, fmt in self.groups:
-            s = scheme.weights
-            fmt = fmt or ct.ct_format(scheme)
-            if fmt == "float-quantized" and not s.is_fp8 or fmt == "int-quantized" and s.is_fp8:
-                out.append(f"config format {fmt} contradicts its weights scheme ({s.describe()})")
-            if fmt == "pack-quantized" and (s.type == "float" or s.num_bits not in (2, 4, 8)):
-                out.append(f"config format pack-quantized cannot hold {s.describe()} weights")
+            problem = self._contradiction(scheme, fmt or ct.ct_format(scheme))
+            if problem:
+                out.append(problem)
         if self.kv_cache is None:
             stray = [n for n in self.tensor_names() if n.endswith((".k_scale", ".v_scale"))]
             if stray:
@@ -362,3 +329,19 @@ class CompressedTensorsCheckpoint(Checkpoint):
         qmods = set(self.modules())
         return [n for n in self.tensor_names()
                 if not n.endswith(QUANT_SUFFIXES) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)]
+
+
+class _View(StoredView):
+    """A checkpoint's stored tensors as a number format checks them."""
+
+    def __init__(self, ck: Checkpoint):
+        self.ck = ck
+
+    def has(self, name: str) -> bool:
+        return self.ck.has(name)
+
+    def tensor(self, name: str):
+        return self.ck.tensor(name)
+
+    def expect(self, name, dtypes, shape, problems, what=""):
+        return expect_tensor(self.ck, name, dtypes, shape, problems, what)

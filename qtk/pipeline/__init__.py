@@ -6,9 +6,9 @@ from qtk.pipeline.capture import capture_layer_inputs
 from qtk.pipeline.device import compute_dtype, resolve_device
 from qtk.pipeline.loop import process_layer, run
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
-from qtk.pipeline.targets import GROUP_SIZES, check_group_size, check_ignore, target_linears
+from qtk.pipeline.targets import GROUP_SIZES, check_group_size, check_ignore, check_source_format, target_linears
 from qtk.recipe import matches  # noqa: F401 (re-exported, as before)
 
 __all__ = ["capture_layer_inputs", "compute_dtype", "resolve_device", "process_layer", "run",
-           "LayerDone", "LayerResult", "PipelineStats", "GROUP_SIZES", "check_group_size", "check_ignore",
+           "LayerDone", "LayerResult", "PipelineStats", "GROUP_SIZES", "check_group_size", "check_ignore", "check_source_format",
            "target_linears"]

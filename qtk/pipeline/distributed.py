@@ -2,10 +2,12 @@
 Reducer behind the steps' statistics, how a process learns its rank and device, how the calibration windows are
 split, and how one process's failure becomes every process's end.
 
-Every process runs the whole layer loop on its share of the calibration windows; statistics meet in the reducer
-(Hessians and AWQ losses as token-weighted means, channel/activation/KV maxima, token counts summed), GPTQ solves are
-spread over the processes and broadcast (qtk.steps.gptq), and only rank 0 writes. gloo carries the collectives on the
-CPU, NCCL on GPUs (host-side tensors of a NCCL run are copied to the process's GPU for the collective).
+Every process runs the whole layer loop on its share of the calibration windows, whole micro-batches of the ones one
+process forms (`micro_batch_shares`), so each forward is one process's forward, bit for bit; statistics meet in the
+reducer (Hessians as float64 sums, channel/activation/KV maxima, token counts summed, AWQ's token samples gathered),
+GPTQ solves are spread over the processes and broadcast (qtk.steps.gptq), and only rank 0 writes. gloo carries the
+collectives on the CPU, NCCL on GPUs (host-side tensors of a NCCL run are copied to the process's GPU for the
+collective).
 
 Failures: a process that fails records one line in the rendezvous store (`record_failure`) before it leaves; a
 process whose collective then breaks reads it (`peer_failure`), so rank 0 reports the first failure, as one line.
@@ -18,7 +20,7 @@ from datetime import timedelta
 
 import torch
 
-from qtk.errors import QtkError
+from qtk.errors import QtkError, UsageError
 from qtk.steps.stats import Reducer
 
 FAILURE_KEY = "qtk/failure"
@@ -38,10 +40,6 @@ class PeerFailed(QtkError):
 def env_world_size() -> int:
     """The number of processes torchrun (or any launcher setting WORLD_SIZE) started; 1 otherwise."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0") or 0)
 
 
 class DistReducer(Reducer):
@@ -71,17 +69,6 @@ class DistReducer(Reducer):
     def max_(self, t: torch.Tensor) -> torch.Tensor:
         return self._all_reduce(t, self.dist.ReduceOp.MAX)
 
-    def weighted_mean_(self, t: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
-        # Σ count_p·t_p / Σ count_p: each process's mean weighted by its tokens (fp32, as the statistic is kept)
-        total = int(self.sum_(torch.tensor([count], dtype=torch.int64))[0])
-        if t is None:
-            return t, total
-        t.mul_(count)
-        self.sum_(t)
-        if total:
-            t.div_(total)
-        return t, total
-
     def broadcast_object(self, obj, src: int = 0):
         box = [obj]
         self.dist.broadcast_object_list(box, src=src, device=self.device if self.nccl else None)
@@ -90,6 +77,11 @@ class DistReducer(Reducer):
     def gather_objects(self, obj, dst: int = 0) -> list | None:
         out = [None] * self.world_size if self.rank == dst else None
         self.dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def all_gather_objects(self, obj) -> list:
+        out = [None] * self.world_size
+        self.dist.all_gather_object(out, obj)
         return out
 
     def scatter_objects(self, objs: list | None, src: int = 0):
@@ -183,7 +175,29 @@ def destroy() -> None:
             pass
 
 
-def split_windows(ids: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This process's calibration windows: a contiguous share, the first processes one more when they do not divide
-    evenly (every process keeps at least one window: qtk.convert refuses fewer windows than processes)."""
-    return ids.tensor_split(world_size)[rank]
+def micro_batch_shares(windows: int, batch_size: int, world_size: int) -> list[tuple[int, int]]:
+    """[(first, end)] calibration windows of each process: whole micro-batches of `batch_size` windows, the ones one
+    process forms (`ids.split(batch_size)`: the last may be shorter), contiguous and in rank order, each process's
+    share as near windows / world_size as whole micro-batches allow. Every forward, and every statistic a forward
+    feeds, then sees the very micro-batches of one process (a GEMM's rounding depends on its shape: a rank that cut
+    its share into other micro-batches computed other activations). Needs at least one micro-batch per process."""
+    batches = -(-windows // batch_size)
+    if batches < world_size:
+        raise UsageError(f"{windows} calibration windows make {batches} micro-batch(es) of --batch-size {batch_size}, "
+                         f"which cannot be shared by {world_size} processes",
+                         "use at least one micro-batch per process (more --num-samples or a smaller --batch-size), "
+                         "or fewer processes")
+    # process r starts at the micro-batch boundary nearest to r / world_size of the windows, one micro-batch at least
+    # after process r - 1 and early enough for one micro-batch each to the processes after it
+    starts = [0]
+    for r in range(1, world_size):
+        b = round(r * windows / world_size / batch_size)
+        starts.append(min(max(b, starts[-1] + 1), batches - (world_size - r)))
+    bounds = [b * batch_size for b in starts] + [windows]
+    return [(bounds[r], bounds[r + 1]) for r in range(world_size)]
+
+
+def split_windows(ids: torch.Tensor, rank: int, world_size: int, batch_size: int) -> torch.Tensor:
+    """This process's calibration windows [n, seq_len] (micro_batch_shares)."""
+    first, end = micro_batch_shares(ids.shape[0], batch_size, world_size)[rank]
+    return ids[first:end]

@@ -25,15 +25,14 @@ from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.quant.error import relative_error
 from qtk.pipeline.targets import check_group_size, target_linears
 from qtk.recipe import Recipe
-from qtk.steps import LOCAL, LayerContext, Phase, Reducer, folded_scales, plan_steps
+from qtk.steps import LOCAL, LayerContext, Phase, Reducer, in_frame, plan_steps, source_view
 from qtk.steps.records import ExpertTokensRecord
-from qtk.steps.smoothing import smoothed_weight
 from qtk.steps.stats import ExpertTokens, KVAmax
 from qtk.steps.swap import swap_in
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """Refuse a float tensor holding NaN/Inf (qtk.io.safetensors.all_finite: the exact scan only when its sum is not
+    """Refuse a float tensor holding NaN/Inf (qtk.quant.finite.all_finite: the exact scan only when its sum is not
     finite)."""
     if t.is_floating_point() and not all_finite(t):
         raise UsageError(f"tensor {name} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
@@ -113,7 +112,7 @@ def _store_transformed(ctx: LayerContext) -> None:
 def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batches, targets: list[str], *,
                   device=None, reducer: Reducer = LOCAL):
     """Quantize one materialised layer; returns its LayerResult and the next layer's inputs."""
-    arch, dtype = source.arch, source.dtype
+    arch, dtype = source.arch.at(i), source.dtype
     prefix = source.layer_prefix(i)
     for t in targets:
         if t not in dict(layer.named_modules()):
@@ -134,7 +133,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
     qweights, amax, records = ctx.qweights, ctx.amax, ctx.records
 
     errors = {}
-    scales = folded_scales(records) if transformed else {}
+    reframed = any(step.changes_frame for step, _ in steps)  # the steps' records rebuild the frame they left
     for t, qt in qweights.items():
         check_finite(f"{prefix}{t}.weight", qt.scale)  # a NaN/Inf weight poisons its row's scale: cheaper than scanning W
         if batches and not isinstance(layer.get_submodule(t), QLinear):
@@ -143,10 +142,9 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
             w_hat = layer.get_submodule(t).weight if batches else engine_weight(qt)
         # measured against the source weight in the frame it was quantized in (smoothing folded, AWQ's clipping not:
         # it is part of the error), the reference `qtk inspect` rebuilds from the source and the records
-        if transformed:
-            w = source.tensor(f"{prefix}{t}.weight").to(ctx.device).to(compute_dtype(source)).float()
-            if scales:
-                w = smoothed_weight(w, t, arch, scales)
+        if reframed:
+            w = in_frame(source.tensor(f"{prefix}{t}.weight").to(ctx.device).to(compute_dtype(source)).float(), t,
+                         arch, records)
         else:
             w = weights[t].float()
         errors[prefix + t] = relative_error(w_hat, w)
@@ -159,7 +157,9 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
         kv, next_batches = _propagate(ctx)
 
     quantized = {t + ".weight" for t in targets}
-    dense = {prefix + k: v.detach().to(dtype) for k, v in layer.state_dict().items() if k not in quantized}
+    buffers = {k for k, _ in layer.named_buffers()}  # kept in their own dtype (a float32 routing bias)
+    dense = {prefix + k: v.detach().to(v.dtype if k in buffers else dtype) for k, v in layer.state_dict().items()
+             if k not in quantized}
     for k, v in dense.items():
         if v.is_floating_point() and not torch.isfinite(v).all():
             raise UsageError(f"tensor {k} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
@@ -208,7 +208,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
         reducer: Reducer = LOCAL, max_device_memory: int | None = None, overlap: bool = True) -> PipelineStats:
     """Stream the model through the recipe into every sink (writer): dense tensors, then layer by layer.
 
-    on_layer(done, total, LayerDone) after each layer. resume: a qtk.resume.ResumeState; completed layers
+    on_layer(done, total, LayerDone) after each layer. resume: a qtk.convert.resume.ResumeState; completed layers
     are replayed from it and each new one saved to it. device: where layers, activations and statistics live (default
     the CPU); what the sinks receive is on the host. reducer: how statistics of several processes combine (LOCAL:
     one process); with several, calib_ids are this process's windows, and only the process that writes passes sinks
@@ -217,6 +217,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     bytes are written either way: each sink sees the layers in order, from one thread)."""
     device = resolve_device(device)
     stats = PipelineStats()
+    source = source_view(source, recipe)  # the job's own view already (a view of a view is itself)
     check_group_size(source, recipe)
     if calib_ids is not None:
         map_large_allocations()

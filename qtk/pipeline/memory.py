@@ -1,7 +1,9 @@
 """Keeping the loop's memory at one layer: freed heap handed back to the OS after each layer, large allocations
-served from their own mappings (glibc)."""
+served from their own mappings (glibc); how much memory this process can still take."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 _libc = None
 
@@ -43,3 +45,19 @@ def map_large_allocations() -> None:
     if MMAP_THRESHOLD_BYTES and _glibc():
         _libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
         _libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still take: MemAvailable, bounded by a cgroup v2 limit; None if unknown."""
+    try:
+        avail = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, StopIteration):
+        return None
+    try:
+        limit, used = ((Path("/sys/fs/cgroup") / f).read_text().strip() for f in ("memory.max", "memory.current"))
+        if limit != "max":
+            avail = min(avail, int(limit) - int(used))
+    except (OSError, ValueError):
+        pass
+    return avail

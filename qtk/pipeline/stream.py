@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from qtk import interrupts
+from qtk.model.layout import is_stored_dtype
 from qtk.model.simulate import engine_weight
 from qtk.quant.error import ErrorSum, block_rows
 from qtk.pipeline.device import compute_dtype, resolve_device
@@ -84,10 +85,11 @@ class _LayerReader:
             n = math.prod(shape) * self.size
             self._room(i, n)
             try:
+                dtype = None if is_stored_dtype(k) else self.dtype
                 if self.device.type == "cpu":
-                    t = self.source.tensor(prefix + k, mapped=True).to(self.dtype)
+                    t = self.source.tensor(prefix + k, mapped=True).to(dtype)
                 else:
-                    t = self.source.tensor(prefix + k).to(device=self.device, dtype=self.dtype)
+                    t = self.source.tensor(prefix + k).to(device=self.device, dtype=dtype)
                 check_finite(prefix + k, t)
             except BaseException:
                 self._release(n)
@@ -155,7 +157,7 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
     """The LayerResult of layer i from its tensors (relative name -> tensor in the compute dtype). measured: filled
     with what the self-check needs of each quantized Linear (qtk.pipeline.result.Measured), taken from the one dequantization
     that gives its error, so the check need not read the source or dequantize again."""
-    arch, dtype, prefix = source.arch, source.dtype, source.layer_prefix(i)
+    arch, dtype, prefix = source.arch.at(i), source.dtype, source.layer_prefix(i)
     # model-dtype weights: rtn_weights copies each to float32 a row block at a time where it rounds it (one whole copy
     # where the scheme rounds whole) and shows `measure` each block with its QTensor while both are hot in cache: the
     # one dequantization gives the error and the self-check's figures
@@ -170,7 +172,7 @@ def layer_result(source, recipe: Recipe, i: int, tensors: dict[str, torch.Tensor
     qweights = rtn.rtn_weights(weights, schemes, arch, dtype, measure, consume=True, threads=threads)
     errors = {prefix + t: measure.errors[prefix + t] for t in qweights}  # in the QTensors' order, as before
     host = torch.device("cpu")
-    dense = {prefix + k: v.detach().to(dtype).to(host) for k, v in tensors.items()}
+    dense = {prefix + k: v.detach().to(v.dtype if is_stored_dtype(k) else dtype).to(host) for k, v in tensors.items()}
     return LayerResult(index=i, qweights={prefix + t: q.to(host) for t, q in qweights.items()}, dense=dense,
                        input_amax={}, k_amax=None, v_amax=None, weight_error=errors, records={},
                        dense_linears=tuple(prefix + m for m in (*arch.linears, *arch.dense_linears) if m not in targets))

@@ -14,7 +14,7 @@ from qtk.recipe import Recipe, matches
 def target_linears(source, recipe: Recipe, i: int) -> list[str]:
     """The layer's Linears (relative names) that the recipe quantizes; an ignore that splits a fused
     group (q/k/v, gate/up) is refused, since engines fuse those into one GEMM."""
-    arch = source.arch
+    arch = source.arch.at(i)
     prefix = source.layer_prefix(i)
     kept = [r for r in arch.linears if not matches(prefix + r, recipe.ignore)]
     for g in arch.fusion_groups:
@@ -36,7 +36,8 @@ def check_ignore(source, recipe: Recipe) -> None:
     no layer's fused group is split by ignore or given two schemes by overrides; every override target names a
     Linear too."""
     arch = source.arch
-    linears = [source.layer_prefix(i) + m for i in range(source.num_layers) for m in (*arch.linears, *arch.dense_linears)]
+    linears = [source.layer_prefix(i) + m for i in range(source.num_layers)
+               for m in (*arch.at(i).linears, *arch.at(i).dense_linears)]
     linears.append(arch.lm_head)
     for p in recipe.ignore:
         if not any(matches(n, (p,)) for n in linears):
@@ -55,6 +56,16 @@ def check_ignore(source, recipe: Recipe) -> None:
                          f"add {arch.lm_head} to the recipe's ignore list, e.g. 'ignore: [{arch.lm_head}]'")
     for i in range(source.num_layers):
         target_linears(source, recipe, i)
+
+
+def check_kv_cache(source, recipe: Recipe) -> None:
+    """Before any work: a recipe that quantizes the KV cache of a family whose cache is not per-head K and V (MLA's
+    compressed latent) is refused; qtk calibrates K and V scales per attention layer."""
+    why = source.arch.kv_cache_refusal
+    if recipe.kv_cache is not None and why is not None:
+        raise UsageError(f"recipe {recipe.name} quantizes the KV cache, but this {source.arch.name} model's attention is "
+                         f"MLA: {why}",
+                         "use the recipe without KV-cache quantization (e.g. w8a8-sq for int8-kv8, fp8 for fp8-kv8)")
 
 
 GROUP_SIZES = (256, 128, 64, 32, 16)  # what the engines' group-wise kernels are built for, largest first
@@ -189,3 +200,18 @@ def check_fp8_tiles(source, recipe, why: str) -> None:
                     raise UsageError(f"FP8 blocks of {bm}x{bn} do not tile {prefix}{m} ([{out_f}, {in_f}]): {why}",
                                      "ignore the Linears that do not fit (recipe ignore:), or use "
                                      "fp8-dynamic (per-channel FP8, any shape)")
+
+
+def check_source_format(source, recipe: Recipe) -> None:
+    """A source already in FP8 blocks (qtk.model.prequantized) converted to the same blocks is refused: its weights
+    would be rounded a second time onto the grid they came from (the dequantized values rounded back in the model
+    dtype, not bit for bit the source's codes), for a checkpoint the engines already serve as it is."""
+    quant = getattr(source, "quant", None)
+    if quant is None:
+        return
+    same = [s.weights for s in recipe.schemes if quant.same_format(s.weights)]
+    if same:
+        bn, bk = quant.block
+        raise UsageError(f"{source.path.name} is already FP8 in {bn}x{bk} blocks, the format recipe {recipe.name} "
+                         "writes: converting it would only round its weights again",
+                         "serve the source as it is (vLLM and SGLang load it), or pick a recipe of another format")

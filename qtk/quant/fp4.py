@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-import torch
+from qtk.quant.lazy import torch
 
 FP4_MAX = 6.0
 # code -> value; codes 8..15 are the negatives of 0..7 (code 8 is -0.0)
@@ -28,9 +28,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
-def e2m1_table(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """The 16 code values as a lookup table [16]."""
-    return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+def e2m1_table(dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """The 16 code values as a lookup table [16] (dtype default float32)."""
+    return torch.tensor(E2M1_VALUES, dtype=dtype or torch.float32, device=device)
 
 
 def fp4_encode(x: torch.Tensor) -> torch.Tensor:
@@ -78,8 +78,9 @@ def _bits_hold() -> bool:
     return torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
 
 
-def fp4_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Values of e2m1 codes (uint8 [*], 0..15) -> dtype [*]."""
+def fp4_decode(codes: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Values of e2m1 codes (uint8 [*], 0..15) -> dtype [*] (default float32)."""
+    dtype = dtype or torch.float32
     if codes.device.type == "cpu" and codes.dtype == torch.uint8 and codes.numel() and _bits_hold():
         if int(codes.max()) <= 15:  # a byte that is no code (a corrupt tensor) takes the table's error
             out = _decode_bits(codes)

@@ -12,15 +12,8 @@ from qtk.quant.formats.fp8 import FP8_DTYPE  # noqa: F401 (re-exported)
 from qtk.quant.formats.grouped import dequantize_grouped  # noqa: F401 (re-exported)
 from qtk.quant.scheme import QuantScheme
 
-__all__ = ["FP8_DTYPE", "dequantize_grouped", "weight_qparams", "quantize_weight", "dequantize_weight",
-           "fake_quant_activation", "static_scale"]
-
-
-def weight_qparams(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype | None = None):
-    """Scale and zero point for weight w [out, in]; shapes [1], [out, 1] or [out, in/group].
-
-    scale_dtype: the dtype the scale is stored in (the model dtype for int, None = float32 for fp8)."""
-    return format_for(scheme).grouped_qparams(w, scheme, scale_dtype)
+__all__ = ["FP8_DTYPE", "dequantize_grouped", "quantize_weight", "dequantize_weight", "fake_quant_activation",
+           "static_scale"]
 
 
 def quantize_weight(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme,

@@ -7,7 +7,7 @@ from typing import Mapping
 
 import torch
 
-from qtk.quant.formats import Format, QParams, format_for
+from qtk.quant.formats.base import Format, QParams, format_for
 from qtk.quant.scheme import QuantScheme
 
 
@@ -76,7 +76,7 @@ class QTensor:
 def qtensor_digest(qt) -> int:
     """A 32-bit checksum over everything that decides a QTensor's decoded weight: scheme, dtype, shape, and the
     bytes of its values, scale, zero point, g_idx and a format's extra tensors. CRC-32C from qtk's native kernels
-    (qtk.quant.native.scan: about 11 GB/s on one core), zlib's CRC-32 without them (about 2 GB/s); one process
+    (qtk.quant.native.scan, several times zlib's speed), zlib's CRC-32 without them; one process
     always uses the same one, and a digest is only compared within the process that took it (the data-free stream's,
     against the self-check's of the bytes read back). A CRC catches any one changed byte (and any burst up to 32
     bits) at memory speed, unlike a cryptographic hash: this guards against writer bugs, not forgery."""

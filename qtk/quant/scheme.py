@@ -8,9 +8,25 @@ job (qtk.recipe); this module only describes one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
-# tensor_group: NVFP4's groups of 16 under one per-tensor global scale; block: 2-D weight blocks (FP8 block)
-STRATEGIES = ("tensor", "channel", "group", "token", "tensor_group", "block")
+
+class Strategy(str, Enum):
+    """Which values share one scale, as compressed-tensors' QuantizationStrategy names them. A str, so a scheme reads
+    and writes (JSON, YAML through str()) the same words as before."""
+
+    TENSOR = "tensor"
+    CHANNEL = "channel"  # one per output channel (row) of a weight
+    GROUP = "group"  # one per group_size input columns of a row (per token per group for activations)
+    TOKEN = "token"  # activations: one per token, at run time
+    TENSOR_GROUP = "tensor_group"  # NVFP4's groups of 16 under one per-tensor global scale
+    BLOCK = "block"  # 2-D weight blocks (FP8 block)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STRATEGIES = tuple(s.value for s in Strategy)
 TYPES = ("int", "float")
 OBSERVERS = ("minmax", "mse")
 INT_BITS = (2, 4, 8)  # packable into int32 words without straddling; engines run 4 and 8
@@ -27,12 +43,16 @@ class QuantScheme:
     num_bits: int
     type: str = "int"
     symmetric: bool = True
-    strategy: str = "channel"
+    strategy: Strategy = Strategy.CHANNEL  # a known word becomes its Strategy; the recipe parser refuses the others
     group_size: int | None = None
     dynamic: bool | str = False  # True, False or LOCAL
     observer: str = "minmax"
     block_structure: tuple[int, int] | None = None  # strategy block: [rows, cols] of a weight block
     scale_dtype: str | None = None  # None: the format's own (model dtype, float32, fp8 for NVFP4); "e8m0" for MX
+
+    def __post_init__(self):
+        if self.strategy in STRATEGIES and not isinstance(self.strategy, Strategy):
+            object.__setattr__(self, "strategy", Strategy(self.strategy))
 
     @property
     def is_fp8(self) -> bool:
@@ -44,7 +64,7 @@ class QuantScheme:
 
     @property
     def is_nvfp4(self) -> bool:
-        return self.is_fp4 and self.strategy == "tensor_group"
+        return self.is_fp4 and self.strategy == Strategy.TENSOR_GROUP
 
     @property
     def is_mx(self) -> bool:
@@ -59,9 +79,9 @@ class QuantScheme:
     @property
     def column_group(self) -> int | None:
         """How many consecutive input columns share one scale (None: all of them, per tensor or channel)."""
-        if self.strategy in ("group", "tensor_group"):
+        if self.strategy in (Strategy.GROUP, Strategy.TENSOR_GROUP):
             return self.group_size
-        if self.strategy == "block":
+        if self.strategy == Strategy.BLOCK:
             return self.block_structure[1]
         return None
 
@@ -73,19 +93,15 @@ class QuantScheme:
     def qmax(self) -> int:
         return 2 ** (self.num_bits - 1) - 1
 
-    @property
-    def is_static_per_tensor(self) -> bool:
-        return self.strategy == "tensor" and not self.dynamic
-
     def describe(self) -> str:
         if self.is_nvfp4:
             return "nvfp4 group16" + (" dynamic-local" if self.dynamic == LOCAL else "")
         if self.is_mx:
             return f"mxfp{self.num_bits} group{self.group_size}" + (" dynamic" if self.dynamic else "")
         t = f"fp{self.num_bits}" if self.type == "float" else f"int{self.num_bits}"
-        if self.strategy == "group":
+        if self.strategy == Strategy.GROUP:
             s = f"group{self.group_size}"
-        elif self.strategy == "block":
+        elif self.strategy == Strategy.BLOCK:
             s = "block{}x{}".format(*self.block_structure)
         else:
             s = self.strategy

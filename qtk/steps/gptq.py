@@ -111,15 +111,29 @@ def group_hessians(ctx: LayerContext, groups) -> dict[tuple[str, ...], Hessian]:
     return hessians
 
 
+def too_few_tokens(ctx: LayerContext, group, tokens: int) -> str | None:
+    """Why a group's Hessian cannot be trusted, or None. No token: H is zero (GPTQ would zero every column). An MoE
+    expert under the recipe's calibration.min_expert_tokens: H has the rank of a handful of tokens, and GPTQ's error
+    feedback would fit the weights to those tokens rather than to the expert's inputs; its weight alone decides its
+    scales (RTN). Dense Linears see every calibration token, so only experts are held to the minimum."""
+    if tokens == 0:
+        return "no calibration tokens"
+    least = ctx.recipe.calibration.min_expert_tokens
+    if tokens < least and ctx.arch.is_expert(group[0]):
+        return f"{tokens} calibration tokens, fewer than calibration.min_expert_tokens ({least})"
+    return None
+
+
 def solve_group(ctx: LayerContext, group, hessian: Hessian, params: GPTQParams, record: GPTQRecord) -> None:
     weights = [ctx.weight(t) for t in group]
     scheme = ctx.group_scheme(group).weights
-    if hessian.tokens == 0:  # an MoE expert no calibration token reached: no Hessian, so round to nearest
-        log.warning("GPTQ: %s received no calibration tokens; quantized with RTN instead (more calibration "
-                    "samples would reach it)", ", ".join(ctx.prefix + t for t in group))
+    reason = too_few_tokens(ctx, group, hessian.tokens)
+    if reason is not None:  # round to nearest: the weight's own statistics, nothing fitted to a handful of tokens
+        log.warning("GPTQ: %s received %s; quantized with RTN instead (more calibration samples would reach it)",
+                    ", ".join(ctx.prefix + t for t in group), reason)
         ctx.qweights.update(rtn_weights(dict(zip(group, weights)), {t: scheme for t in group}, ctx.arch, ctx.dtype))
         for t in group:
-            record.modules[t] = RTNFallback("no calibration tokens")
+            record.modules[t] = RTNFallback(reason)
         return
     solved = gptq_quantize_shared(weights, hessian.H, scheme, params, ctx.dtype, names=[ctx.prefix + t for t in group])
     for t, (qt, i) in zip(group, solved):

@@ -1,11 +1,17 @@
 """Typed records of what a layer's steps chose: small, searched or solved values (smoothing scales, AWQ ratios and
 clips, GPTQ damping and losses, MoE expert token counts), never tensors. Each serializes to the JSON the manifest
-holds under stats.algorithm.<layer>.<name> (and the resume state), and reads back from it."""
+holds under stats.algorithm.<layer>.<name> (and the resume state), and reads back from it.
+
+A step that changes the frame the weights are quantized in (its parameters say changes_frame: a smoothing, a
+rotation) records what it did, and its record puts a source weight into that frame (`reframe`): the loop measures
+each weight's error against it and `qtk inspect` rebuilds it from the manifest, neither knowing the step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from qtk.registry import Registry
 
 
 class StepRecord:
@@ -20,13 +26,18 @@ class StepRecord:
     def from_json(cls, data: Any) -> "StepRecord":
         raise NotImplementedError
 
+    def reframe(self, W, rel: str, arch):
+        """The source weight W [out, in] of Linear `rel` (relative to its layer) in the frame this step left it in,
+        float32: W itself for a step that does not change the frame."""
+        return W
 
-RECORDS: dict[str, type[StepRecord]] = {}
+    def frame_known(self) -> bool:
+        """Whether this record holds what reframe needs (a record written before it did cannot rebuild its frame)."""
+        return True
 
 
-def register_record(cls: type[StepRecord]) -> type[StepRecord]:
-    RECORDS[cls.name] = cls
-    return cls
+RECORDS = Registry("step record")  # name -> its StepRecord class
+register_record = RECORDS.decorator(lambda cls: cls.name)
 
 
 @register_record
@@ -47,6 +58,9 @@ class SmoothQuantRecord(StepRecord):
 
     def folded(self) -> dict[str, list[float]]:
         return {k: v for k, v in self.scales.items() if v}
+
+    def reframe(self, W, rel, arch):
+        return _smoothed(W, rel, arch, self.folded())
 
 
 @register_record
@@ -72,6 +86,61 @@ class AWQRecord(StepRecord):
 
     def folded(self) -> dict[str, list[float]]:
         return {k: v for k, v in self.scales.items() if v}
+
+    def reframe(self, W, rel, arch):
+        return _smoothed(W, rel, arch, self.folded())
+
+    def frame_known(self) -> bool:
+        """A manifest from before qtk recorded AWQ's scales holds only the chosen ratios: the scales folded into the
+        weights cannot be rebuilt from the source."""
+        return not (any(r is not None for r in self.ratios.values()) and not self.scales)
+
+
+@register_record
+@dataclass
+class RotateRecord(StepRecord):
+    """The rotations folded into a layer (qtk.steps.rotate): R1 on the residual stream and R2 per attention head
+    (None when off), each as qtk.quant.hadamard.Rotation's JSON (size, seed, block) with its kind and construction,
+    and the scale of every norm folded into the Linears it feeds (the source's, float32)."""
+
+    name = "rotate"
+    r1: dict = field(default_factory=dict)
+    r2: dict | None = None
+    norms: dict[str, list[float]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        from qtk.quant.hadamard import Rotation
+
+        def one(r):
+            return None if r is None else {"kind": "hadamard", **r, "construction": Rotation.from_json(r).describe()}
+
+        return {"r1": one(self.r1), "r2": one(self.r2), "norms": dict(self.norms)}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "RotateRecord":
+        def one(r):
+            return None if r is None else {k: r.get(k) for k in ("size", "seed", "block")}
+
+        return cls(one(data["r1"]), one(data.get("r2")), dict(data.get("norms") or {}))
+
+    def reframe(self, W, rel, arch):
+        import torch
+
+        from qtk.quant.hadamard import Rotation
+        from qtk.algorithms.rotate import rotated_weight
+
+        norms = {n: torch.tensor(g, dtype=torch.float64) for n, g in self.norms.items()}
+        return rotated_weight(W, rel, arch, Rotation.from_json(self.r1),
+                              None if self.r2 is None else Rotation.from_json(self.r2), norms)
+
+
+def _smoothed(W, rel: str, arch, scales: dict[str, list[float]]):
+    """W in the frame of the smoothing scales folded into its layer ({prev: s}), as the fold applied them."""
+    if not scales:
+        return W
+    from qtk.steps.smoothing import smoothed_weight
+
+    return smoothed_weight(W, rel, arch, scales)
 
 
 @dataclass
@@ -160,11 +229,9 @@ def records_from_json(data: Mapping[str, Any] | None) -> dict[str, StepRecord]:
     return out
 
 
-def folded_scales(records: Mapping[str, StepRecord]) -> dict[str, list[float]]:
-    """The smoothing scales folded into a layer, {prev module: s} (SmoothQuant's s, or AWQ's chosen s)."""
-    out: dict[str, list[float]] = {}
+def in_frame(W, rel: str, arch, records: Mapping[str, StepRecord]):
+    """The source weight W of Linear `rel` (relative to its layer) in the frame the layer's steps quantized it in:
+    each record's reframe, in the order the steps ran."""
     for r in records.values():
-        folded = getattr(r, "folded", None)
-        if folded is not None:
-            out.update(folded())
-    return out
+        W = r.reframe(W, rel, arch)
+    return W

@@ -14,8 +14,9 @@ from typing import Any, Callable, Mapping
 
 from qtk.recipe import Recipe
 from qtk.recipe.params import STEP_PARAMS, Phase
+from qtk.registry import Registry
 
-__all__ = ["Phase", "StepDef", "STEPS", "NO_PARAMS", "register_step", "unregister_step", "plan_steps"]
+__all__ = ["Phase", "StepDef", "STEPS", "NO_PARAMS", "register_step", "unregister_step", "plan_steps", "source_view"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,10 @@ NO_PARAMS = NoParams()
 class StepDef:
     """A registered step. run(ctx, params) works on one layer (a qtk.steps.context.LayerContext) and returns its
     record (a qtk.steps.records.StepRecord) or None. implied(recipe): for a step the recipe need not list, the
-    parameters to run it with when the recipe calls for it, else None."""
+    parameters to run it with when the recipe calls for it, else None. changes_frame: the step changes the frame the
+    weights are quantized in, and its record's reframe rebuilds it (the loop then measures errors against the source
+    put through the records). source_view(source, params): for a step that also changes tensors outside the decoder
+    layers (a rotation of the residual stream: embeddings, lm_head), the source the conversion reads through."""
 
     name: str
     phase: Phase
@@ -40,31 +44,33 @@ class StepDef:
     conflicts: Mapping[str, str] = field(default_factory=dict)
     title: str = ""
     implied: Callable[[Recipe], Any] | None = None
+    changes_frame: bool = False
+    source_view: Callable[[Any, Any], Any] | None = None
 
 
-STEPS: dict[str, StepDef] = {}
+STEPS = Registry("step")  # name -> StepDef
 
 
 def register_step(name: str, *, phase: Phase | None = None, needs_data: bool | None = None,
-                  implied: Callable[[Recipe], Any] | None = None, title: str | None = None):
+                  implied: Callable[[Recipe], Any] | None = None, title: str | None = None,
+                  source_view: Callable[[Any, Any], Any] | None = None):
     """Decorator registering run(ctx, params) as the step `name`. A recipe step (declared in qtk.recipe.params) takes
     its phase, data need, parameters and conflicts from that declaration; an implied-only step gives phase and
-    needs_data here."""
+    needs_data here. source_view: see StepDef."""
 
     def deco(run):
-        if name in STEPS:
-            raise ValueError(f"step {name!r} is already registered")
         decl = STEP_PARAMS.get(name)
         if decl is not None:
             if phase is not None and phase != decl.phase:
                 raise ValueError(f"step {name!r}: phase {phase.name} here, {decl.phase.name} in qtk.recipe.params")
-            d = StepDef(name, decl.phase, decl.needs_data, run, decl, decl.conflicts, decl.title, implied)
+            d = StepDef(name, decl.phase, decl.needs_data, run, decl, decl.conflicts, decl.title, implied,
+                        decl.changes_frame, source_view)
         else:
             if phase is None or needs_data is None or implied is None:
                 raise ValueError(f"step {name!r} is not a recipe step (qtk.recipe.params): give its phase, needs_data "
                                  "and when the recipe implies it")
-            d = StepDef(name, phase, needs_data, run, None, {}, title or name, implied)
-        STEPS[name] = d
+            d = StepDef(name, phase, needs_data, run, None, {}, title or name, implied, source_view=source_view)
+        STEPS.add(name, d)
         return run
 
     return deco
@@ -72,7 +78,7 @@ def register_step(name: str, *, phase: Phase | None = None, needs_data: bool | N
 
 def unregister_step(name: str) -> None:
     """Remove a step (for tests that register one of their own)."""
-    STEPS.pop(name, None)
+    STEPS.remove(name)
 
 
 def plan_steps(recipe: Recipe) -> list[tuple[StepDef, Any]]:
@@ -90,3 +96,12 @@ def plan_steps(recipe: Recipe) -> list[tuple[StepDef, Any]]:
             if params is not None:
                 steps.append((d, params))
     return sorted(steps, key=lambda sp: sp[0].phase)  # stable: the listed order within a phase
+
+
+def source_view(source, recipe: Recipe):
+    """The source a conversion with `recipe` reads through: each planned step's source_view applied in plan order
+    (the source itself when no step has one). Applying it to its own result returns that result."""
+    for step, params in plan_steps(recipe):
+        if step.source_view is not None:
+            source = step.source_view(source, params)
+    return source

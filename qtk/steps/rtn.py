@@ -9,43 +9,29 @@ from typing import Callable, Protocol
 
 import torch
 
-from qtk.quant.native import rounding
 from qtk.quant.error import block_rows
 from qtk.quant.formats import format_for
+from qtk.quant.formats.kernel import native_rtn
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import QuantScheme
+from qtk.quant.scheme import QuantScheme, Strategy
 from qtk.recipe.params import STEP_PARAMS, Phase, RTNParams
 from qtk.steps.context import LayerContext
 from qtk.steps.registry import register_step
 
 
 def row_block(scheme: QuantScheme, shape) -> int | None:
-    """Rows per block when `scheme` rounds every row on its own (per-channel or per-group scales from the min-max
-    observer, on an int or fp8 grid; MX's E8M0 groups; NVFP4's groups of 16 under a global scale fixed up front from
-    the weight's amax: each scale is a min/max over part of one row, each code an elementwise function of the row and
-    its scales), so a weight's QTensor is its row blocks' QTensors stacked, bit for bit, and can be made (and
-    decoded, and its error summed) a block at a time without whole-weight float32 temporaries; FP8 blocks (a
-    scale per 128 x 128 tile) likewise in slabs of whole tile rows. None otherwise (per-tensor scales, the MSE
+    """Rows per block when `scheme`'s rows round on their own, or in slabs of a few rows (Format.row_slab: per-channel
+    or per-group scales from the min-max observer, on an int or fp8 grid; MX's E8M0 groups; NVFP4's groups of 16
+    under a global scale fixed up front from the weight's amax; FP8 blocks in slabs of whole tile rows), so a
+    weight's QTensor is its row blocks' QTensors stacked, bit for bit, and can be made (and decoded, and its error
+    summed) a block at a time without whole-weight float32 temporaries. None otherwise (per-tensor scales, the MSE
     observer) and for weights of one block. The blocks are the error's (qtk.quant.error.block_rows:
     ERROR_BLOCK_BYTES of float32, cache-sized, a power of two; a tile row when that is taller), so the error summed
     block by block as they are rounded is the figure of the whole weight, bit for bit."""
-    from qtk.quant.formats.fp8_block import FP8BlockFormat
-    from qtk.quant.formats.grouped import GroupedFormat
-    from qtk.quant.formats.mx import MXFormat
-    from qtk.quant.formats.nvfp4 import NVFP4Format
-
-    fmt = format_for(scheme)
-    if scheme.observer != "minmax" or len(shape) != 2:
+    slab = format_for(scheme).row_slab(scheme)
+    if slab is None or len(shape) != 2 or slab & (slab - 1):  # a slab not a power of two is no whole number of blocks
         return None
-    rows = block_rows(shape)
-    if isinstance(fmt, FP8BlockFormat) and scheme.block_structure is not None:
-        tile = int(scheme.block_structure[0])
-        if tile & (tile - 1):  # not a power of two: no slab is a whole number of error blocks
-            return None
-        rows = max(rows, tile)
-    elif not (isinstance(fmt, NVFP4Format) or scheme.strategy in ("channel", "group")
-              and isinstance(fmt, (GroupedFormat, MXFormat))):
-        return None
+    rows = max(block_rows(shape), slab)
     return rows if rows < shape[0] else None
 
 
@@ -107,7 +93,7 @@ def _round(w: torch.Tensor, scheme: QuantScheme, dtype, extra: dict[str, torch.T
     fmt = format_for(scheme)
     if extra is None and fmt.tensor_wide(scheme):
         extra = fmt.shared_extra([w], scheme, dtype)
-    got = rounding.native_rtn(w, scheme, dtype, extra, want_error=on_native is not None, threads=threads)
+    got = native_rtn(w, scheme, dtype, extra, want_error=on_native is not None, threads=threads)
     if got is not None:
         values, scale, sums = got
         qt = QTensor(values, scale, scheme, None, None, dtype, dict(extra or {}))
@@ -155,7 +141,7 @@ def rtn_weights(weights: dict[str, torch.Tensor], schemes: dict[str, QuantScheme
 
     for g in arch.fusion_groups:
         members = [m for m in g if m in weights]
-        if len(members) > 1 and schemes[members[0]].strategy == "tensor":
+        if len(members) > 1 and schemes[members[0]].strategy == Strategy.TENSOR:
             scheme = schemes[members[0]]
             fmt = format_for(scheme)
             joint = torch.cat([weights[m].float() for m in members], dim=0)

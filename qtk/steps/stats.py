@@ -1,10 +1,10 @@
 """Statistics as accumulators: each takes the batches of one process with `update` and becomes the statistic of
 every process with `reduce(reducer)`.
 
-The reducer is the seam where several processes meet (issue 13 plugs torch.distributed in: sums and maxima
-all-reduced, means weighted by token counts). A single process uses LOCAL, whose operations leave every tensor as it
-is, so a statistic reduced with it is bit for bit the one accumulated. Accumulators create their tensors on the
-device of the data they see (or the one they are given).
+The reducer is the seam where several processes meet (qtk.pipeline.distributed: sums and maxima all-reduced, token
+samples gathered). A single process uses LOCAL, whose operations leave every tensor as it is, so a statistic reduced
+with it is bit for bit the one accumulated. Accumulators create their tensors on the device of the data they see (or
+the one they are given).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from qtk.algorithms.gptq import hessian_sum_, hessian_from_sum
 
 class Reducer:
     """How processes that calibrated on different tokens combine a statistic. This one is a single process: there is
-    nothing to combine, and each method returns its argument untouched. A multi-process reducer overrides the three
-    methods (in place on the tensors given) and world_size."""
+    nothing to combine, and each method returns its argument untouched. A multi-process reducer overrides the methods
+    (in place on the tensors given), world_size and rank."""
 
     world_size = 1
     rank = 0
@@ -30,10 +30,6 @@ class Reducer:
         """Elementwise maximum over processes."""
         return t
 
-    def weighted_mean_(self, t: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
-        """(Σ_p count_p · t_p / Σ_p count_p, Σ_p count_p): means over each process's `count` items, merged."""
-        return t, count
-
     # Objects (picklable, on the host) between processes: resume state, solved weights, decisions of one process.
 
     def broadcast_object(self, obj, src: int = 0):
@@ -42,6 +38,10 @@ class Reducer:
 
     def gather_objects(self, obj, dst: int = 0) -> list | None:
         """[the object of each process] in rank order on process `dst`, None elsewhere."""
+        return [obj]
+
+    def all_gather_objects(self, obj) -> list:
+        """[the object of each process] in rank order, on every process."""
         return [obj]
 
     def scatter_objects(self, objs: list | None, src: int = 0):
@@ -71,10 +71,15 @@ def _scalar_max(value: float, reducer: Reducer) -> float:
 class Hessian:
     """H = 2/n Σ x xᵀ over the n tokens seen (float32 [in, in]), kept as a float64 sum (qtk.algorithms.gptq.hessian_sum_)
     until H is read. Processes add their sums and token counts: H read from the total is bit for bit the H of one
-    process that saw every batch, so GPTQ under torch.distributed solves with the same Hessian and writes the same
-    codes as one process (a float32 running mean differed in its last bits with the split, and GPTQ's rounding
-    amplified that: a code flipped in one layer changed every later layer's inputs). The sum takes twice the memory
-    of a float32 H while the layer calibrates; reading H frees it, and no batch may follow."""
+    process that saw every micro-batch, so GPTQ under torch.distributed solves with the same Hessian and writes the
+    same codes as one process. Each process forms the float32 products of the very micro-batches one process forms
+    (qtk.pipeline.distributed.micro_batch_shares); only the order of their float64 additions differs, and a float64 sum
+    of float32 values (24 significant bits in 53) is exact, so independent of that order, while every value added to
+    an entry is at least 2^-28 of the largest of its running sums; a smaller one moves the float64 sum in its last
+    bit, which reaches the float32 H only where that sum lies on a float32 rounding tie. (A float32 running mean
+    differed in its last bits with the split, and GPTQ's rounding amplified that: a code flipped in one layer changed
+    every later layer's inputs.) The sum takes twice the memory of a float32 H while the layer calibrates; reading H
+    frees it, and no batch may follow."""
 
     def __init__(self, in_features: int, device=None):
         self.in_features, self.device = in_features, device
@@ -154,12 +159,14 @@ def evenly_spaced(x: torch.Tensor, limit: int) -> torch.Tensor:
 
 
 class TokenSample:
-    """Up to `limit` evenly spaced input tokens (float32 [tokens, in]), spread over `batches` batches (AWQ's
-    searches run on them). Each process keeps its own sample; what processes merge is the searches' losses
-    (SearchLosses), weighted by the tokens each measured them on."""
+    """Up to `limit` evenly spaced input tokens (float32 [tokens, in]), spread over the calibration's `batches`
+    micro-batches (AWQ's searches run on them): `limit // batches` evenly spaced tokens of each micro-batch, then
+    `limit` evenly spaced tokens of them all. Processes gather their micro-batches' tokens in rank order, which is the
+    micro-batches' own order (qtk.pipeline.distributed.micro_batch_shares), so every process holds the sample of one
+    process and the searches on it choose what one process chooses."""
 
-    def __init__(self, limit: int, batches: int):
-        self.limit = limit
+    def __init__(self, limit: int, batches: int, device=None):
+        self.limit, self.device = limit, device
         self.per_batch = max(1, limit // max(1, batches))
         self.parts: list[torch.Tensor] = []
 
@@ -167,33 +174,19 @@ class TokenSample:
         x = evenly_spaced(x.reshape(-1, x.shape[-1]), self.per_batch)
         self.parts.append(x.float().clone())
 
+    def reduce(self, reducer: Reducer = LOCAL) -> "TokenSample":
+        if reducer.world_size == 1:
+            return self  # nothing to combine
+        # through the host: a CUDA tensor would unpickle on its sender's GPU index
+        parts = reducer.all_gather_objects([t.cpu() for t in self.parts])
+        self.parts = [t.to(self.device) for part in parts for t in part]
+        return self
+
     def sample(self) -> torch.Tensor | None:
         """The sample, None when nothing was seen (an MoE expert no token was routed to)."""
         if not self.parts:
             return None
         return evenly_spaced(torch.cat([t.reshape(-1, t.shape[-1]) for t in self.parts]).float(), self.limit)
-
-
-class SearchLosses:
-    """The mean loss of each candidate of a search (AWQ's scale grid, its clip shrinks), measured on `tokens` tokens of
-    this process; merged across processes as a mean weighted by their tokens."""
-
-    def __init__(self, tokens: int):
-        self.tokens = tokens
-        self.losses: torch.Tensor | None = None
-
-    def update(self, losses: torch.Tensor) -> "SearchLosses":
-        self.losses = losses if self.losses is None else torch.cat([self.losses, losses])
-        return self
-
-    def reduce(self, reducer: Reducer = LOCAL) -> "SearchLosses":
-        self.losses, self.tokens = reducer.weighted_mean_(self.losses, self.tokens)
-        return self
-
-    @staticmethod
-    def combiner(reducer: Reducer):
-        """The `combine(losses, tokens)` hook of qtk.algorithms.awq's searches, merging through `reducer`."""
-        return lambda losses, tokens: SearchLosses(tokens).update(losses).reduce(reducer).losses
 
 
 class KVAmax:

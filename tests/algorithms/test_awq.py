@@ -9,7 +9,7 @@ import torch
 import qtk.algorithms.awq as awq
 from qtk.algorithms.awq import apply_clip, awq_search_clip, awq_search_scales
 from qtk.recipe.params import AWQParams
-from qtk.algorithms.rtn import rtn_quantize
+from qtk.quant.qtensor import QTensor
 from qtk.algorithms.smooth import scale_linear_columns
 from qtk.recipe import QuantScheme
 
@@ -35,7 +35,7 @@ def block_inputs(seed: int, outliers: bool = True):
 def block_error(x, Ws, s, scheme, dtype=torch.float32) -> float:
     """MSE of the concatenated outputs after folding s, RTN-quantizing, and feeding x / s."""
     ref = torch.cat([x @ W.t() for W in Ws], dim=1)
-    out = torch.cat([(x / s) @ rtn_quantize(scale_linear_columns(W, s), scheme, dtype).dequantize().t() for W in Ws], dim=1)
+    out = torch.cat([(x / s) @ QTensor.quantize(scale_linear_columns(W, s), scheme, dtype).dequantize().t() for W in Ws], dim=1)
     return (out - ref).pow(2).mean().item()
 
 
@@ -154,11 +154,11 @@ def test_awq_clip_never_hurts_a_group_and_helps_heavy_tails(name):
     assert (max_val < amax).float().mean() > 0.3, "heavy tails should be clipped in many groups"
 
     Wc = apply_clip(W, max_val)
-    err_clip = group_errors(x, W, rtn_quantize(Wc, scheme).dequantize(), n_groups)
-    err_none = group_errors(x, W, rtn_quantize(W, scheme).dequantize(), n_groups)
+    err_clip = group_errors(x, W, QTensor.quantize(Wc, scheme).dequantize(), n_groups)
+    err_none = group_errors(x, W, QTensor.quantize(W, scheme).dequantize(), n_groups)
     assert (err_clip <= err_none * (1 + 1e-5)).all()
-    total_clip = ((x @ (W - rtn_quantize(Wc, scheme).dequantize()).t()).pow(2).mean())
-    total_none = ((x @ (W - rtn_quantize(W, scheme).dequantize()).t()).pow(2).mean())
+    total_clip = ((x @ (W - QTensor.quantize(Wc, scheme).dequantize()).t()).pow(2).mean())
+    total_none = ((x @ (W - QTensor.quantize(W, scheme).dequantize()).t()).pow(2).mean())
     assert total_clip < 0.97 * total_none  # measured 0.87-0.95
 
 
@@ -191,7 +191,7 @@ def test_awq_scales_quantize_each_weight_with_its_own_scheme():
     s, info = awq_search_scales(x, Ws, mixed, p, torch.float32)
     ones = torch.ones(IN)
     ref = torch.cat([x @ W.t() for W in Ws], dim=1)
-    out = torch.cat([x @ rtn_quantize(W, sc, torch.float32).dequantize().t() for W, sc in zip(Ws, mixed)], dim=1)
+    out = torch.cat([x @ QTensor.quantize(W, sc, torch.float32).dequantize().t() for W, sc in zip(Ws, mixed)], dim=1)
     assert info["loss_identity"] == pytest.approx((out - ref).pow(2).mean().item(), rel=1e-6)
     assert info["loss_identity"] < awq_search_scales(x, Ws, SCHEMES["int4-g32-sym"], p, torch.float32)[1]["loss_identity"]
     s1, i1 = awq_search_scales(x, Ws, [SCHEMES["int4-g32-sym"]] * 2, p, torch.float32)

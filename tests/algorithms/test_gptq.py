@@ -8,7 +8,7 @@ import torch
 
 from qtk.algorithms.gptq import CholeskyFailed, gptq_quantize, hessian_from_sum, hessian_sum_
 from qtk.recipe.params import GPTQParams
-from qtk.algorithms.rtn import rtn_quantize
+from qtk.quant.qtensor import QTensor
 from qtk.errors import UsageError
 from qtk.recipe import QuantScheme
 
@@ -78,7 +78,7 @@ def test_gptq_reconstruction_error_below_rtn(name, actorder):
     scheme = SCHEMES[name]
     W, X = correlated_layer()
     qt, info = gptq_quantize(W, hessian(X), scheme, GPTQParams(block_size=64, actorder=actorder), torch.bfloat16)
-    rtn = rtn_quantize(W, scheme, torch.bfloat16)
+    rtn = QTensor.quantize(W, scheme, torch.bfloat16)
     e_gptq, e_rtn = output_err(W, qt.dequantize(), X), output_err(W, rtn.dequantize(), X)
     # measured ratios on this layer are 0.50–0.55; RTN-level error would be 1.0
     assert e_gptq < 0.65 * e_rtn, f"{name}: GPTQ/RTN = {e_gptq / e_rtn:.3f}"
@@ -102,7 +102,7 @@ def test_gptq_fp8_below_rtn():
     qt, info = gptq_quantize(W, hessian(X), scheme, GPTQParams(), torch.bfloat16)
     assert qt.values.dtype == torch.float8_e4m3fn and qt.zero_point is None
     e_gptq = output_err(W, qt.dequantize(), X)
-    e_rtn = output_err(W, rtn_quantize(W, scheme, torch.bfloat16).dequantize(), X)
+    e_rtn = output_err(W, QTensor.quantize(W, scheme, torch.bfloat16).dequantize(), X)
     assert e_gptq < 0.65 * e_rtn
     assert torch.equal(qt.dequantize(), info["dequantized"])
 
@@ -115,15 +115,13 @@ def test_gptq_with_diagonal_hessian_is_rtn(name):
     whatever the damping, so every column is rounded as RTN rounds it with the same qparams: for the model dtype below
     8 bits, with float32 quotients for 8-bit grids (qtk/algorithms/gptq.py says why)."""
     from qtk.quant.formats import format_for
-    from qtk.quant.qtensor import QTensor
-
     scheme = MORE_SCHEMES[name]
     W, _ = correlated_layer(seed=1)
     fmt = format_for(scheme)
     qp = fmt.qparams(W, scheme, torch.bfloat16)
     quotients = torch.bfloat16 if scheme.num_bits < 8 else None
     rtn = QTensor.of(fmt.quantize(W, qp, scheme, model_dtype=quotients), qp, scheme, torch.bfloat16)
-    assert torch.equal(rtn.scale, rtn_quantize(W, scheme, torch.bfloat16).scale)
+    assert torch.equal(rtn.scale, QTensor.quantize(W, scheme, torch.bfloat16).scale)
     g = torch.Generator().manual_seed(2)
     for H in (torch.eye(IN), torch.diag(torch.rand(IN, generator=g) + 0.1)):
         qt, info = gptq_quantize(W, H, scheme, GPTQParams(block_size=48), torch.bfloat16)
@@ -142,7 +140,7 @@ def test_gptq_actorder_identity_hessian_is_rtn(actorder):
     scheme = SCHEMES["int4-g32-asym"]
     W, _ = correlated_layer(seed=3)
     qt, _ = gptq_quantize(W, torch.eye(IN), scheme, GPTQParams(actorder=actorder))
-    rtn = rtn_quantize(W, scheme)
+    rtn = QTensor.quantize(W, scheme)
     assert torch.equal(qt.values, rtn.values) and torch.equal(qt.scale, rtn.scale)
     assert torch.equal(qt.dequantize(), rtn.dequantize())
 
@@ -154,7 +152,7 @@ def test_gptq_dead_columns_are_zeroed():
     assert info["dead_columns"] == 2
     deq = qt.dequantize()
     assert torch.equal(deq[:, [5, 100]], torch.zeros(OUT, 2))
-    assert output_err(W, deq, X) < 0.65 * output_err(W, rtn_quantize(W, SCHEMES["int4-g32-asym"]).dequantize(), X)
+    assert output_err(W, deq, X) < 0.65 * output_err(W, QTensor.quantize(W, SCHEMES["int4-g32-asym"]).dequantize(), X)
 
 
 # ---- act-order, static groups, blocks ----
@@ -182,7 +180,7 @@ def test_gptq_actorder_g_idx_dequantizes_to_algorithm_output(name, actorder):
         assert torch.equal(qt.g_idx[perm].long(), torch.arange(IN) // gs)
         assert torch.equal(torch.bincount(qt.g_idx.long()), torch.full((IN // gs,), gs))
         assert not torch.equal(qt.g_idx.long(), torch.arange(IN) // gs), "X has outlier channels 0-3: order must change"
-    rtn = rtn_quantize(W, scheme, W.dtype)
+    rtn = QTensor.quantize(W, scheme, W.dtype)
     assert output_err(W, qt.dequantize(), X) < 0.65 * output_err(W, rtn.dequantize(), X)
 
 
@@ -191,7 +189,7 @@ def test_gptq_static_groups_use_original_weights():
     scheme = SCHEMES["int4-g32-asym"]
     W, X = correlated_layer(seed=6)
     qt, _ = gptq_quantize(W, hessian(X), scheme, GPTQParams(actorder="static"), torch.bfloat16)
-    rtn = rtn_quantize(W, scheme, torch.bfloat16)
+    rtn = QTensor.quantize(W, scheme, torch.bfloat16)
     assert torch.equal(qt.scale, rtn.scale) and torch.equal(qt.zero_point, rtn.zero_point)
     assert not torch.equal(qt.values, rtn.values)
 
@@ -261,7 +259,7 @@ def test_gptq_rank_deficient_hessian_needs_no_retry(caplog):
     with caplog.at_level(logging.WARNING, logger="qtk.algorithms.gptq"):
         qt, info = gptq_quantize(W, hessian(X), SCHEMES["int4-g32-sym"], GPTQParams())
     assert info["retries"] == 0 and not caplog.records
-    assert output_err(W, qt.dequantize(), X) < output_err(W, rtn_quantize(W, SCHEMES["int4-g32-sym"]).dequantize(), X)
+    assert output_err(W, qt.dequantize(), X) < output_err(W, QTensor.quantize(W, SCHEMES["int4-g32-sym"]).dequantize(), X)
 
 
 def test_gptq_user_errors():

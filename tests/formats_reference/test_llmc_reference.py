@@ -15,9 +15,9 @@ from reference_model import LLMC_MANIFEST, SAMPLE_LINEAR, SPEC, calibration_ids,
 
 from qtk.io.safetensors import ST_DTYPES
 from qtk.quant.fp4 import pack_fp4, unpack_fp4
-from qtk.quant.fp8_block import fp8_block_quantize, fp8_block_scales
-from qtk.quant.mx import mx_scales, mxfp4_dequantize, mxfp4_quantize, mxfp8_quantize
-from qtk.quant.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_group_scales, nvfp4_quantize, nvfp4_weight_global_scale
+from qtk.quant.formats.fp8_block import fp8_block_quantize, fp8_block_scales
+from qtk.quant.formats.mx import mx_scales, mxfp4_dequantize, mxfp4_quantize, mxfp8_quantize
+from qtk.quant.formats.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_group_scales, nvfp4_quantize, nvfp4_weight_global_scale
 from qtk.quant.pack import pack_ct, unpack_ct
 from qtk.quant.qtensor import QTensor
 from qtk.recipe import QuantScheme

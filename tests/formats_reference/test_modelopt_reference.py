@@ -15,9 +15,9 @@ from reference_model import HERE, SAMPLE_LINEAR, SPEC, calibration_ids, decode_s
 
 from qtk.export.codecs.trtllm import pack_int4_pairs, unpack_int4_pairs
 from qtk.quant.fp4 import FP4_MAX, e2m1_table, fp4_decode, pack_fp4, unpack_fp4
-from qtk.quant.fp8_block import fp8_block_quantize, fp8_block_scales
-from qtk.quant.mx import e8m0_decode, mx_scales, mxfp4_dequantize, mxfp4_quantize, mxfp8_quantize
-from qtk.quant.nvfp4 import FP8_E4M3_MAX, nvfp4_group_scales, nvfp4_quantize, nvfp4_weight_global_scale
+from qtk.quant.formats.fp8_block import fp8_block_quantize, fp8_block_scales
+from qtk.quant.formats.mx import e8m0_decode, mx_scales, mxfp4_dequantize, mxfp4_quantize, mxfp8_quantize
+from qtk.quant.formats.nvfp4 import FP8_E4M3_MAX, nvfp4_group_scales, nvfp4_quantize, nvfp4_weight_global_scale
 
 REF = json.loads((HERE / "modelopt_reference.json").read_text())
 L0 = "model.layers.0.self_attn."

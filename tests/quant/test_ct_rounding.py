@@ -162,7 +162,7 @@ def test_fp8_float32_model_keeps_float32_arithmetic():
 def test_fp8_block_codes_equal_compressed_tensors(dtype):
     """The format's quantize (what conversion calls) divides in the model dtype too, as fp8_block_quantize on a bf16
     tensor does (tests/quant/test_fp8_block.py compares that with compressed-tensors' compressor)."""
-    from qtk.quant.fp8_block import fp8_block_quantize, fp8_block_scales
+    from qtk.quant.formats.fp8_block import fp8_block_quantize, fp8_block_scales
 
     w = torch.cat([weights(dtype)] * 2)[:, :200]  # ragged blocks
     qt = QTensor.quantize(w, QuantScheme(type="float", num_bits=8, strategy="block", block_structure=(128, 128)), dtype)

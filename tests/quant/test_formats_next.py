@@ -8,9 +8,9 @@ import torch
 from qtk.algorithms.gptq import gptq_quantize, gptq_quantize_shared
 from qtk.model.arch import FAMILIES
 from qtk.quant.formats import fake_quant_activation, format_for, static_scale
-from qtk.quant.fp8_block import fp8_block_quantize, fp8_block_scales, fp8_group_fake_quant
-from qtk.quant.mx import e8m0_decode, mx_scales, mxfp4_quantize, mxfp8_quantize
-from qtk.quant.nvfp4 import (nvfp4_fake_quant, nvfp4_global_scale, nvfp4_group_scales, nvfp4_quantize,
+from qtk.quant.formats.fp8_block import fp8_block_quantize, fp8_block_scales, fp8_group_fake_quant
+from qtk.quant.formats.mx import e8m0_decode, mx_scales, mxfp4_quantize, mxfp8_quantize
+from qtk.quant.formats.nvfp4 import (nvfp4_fake_quant, nvfp4_global_scale, nvfp4_group_scales, nvfp4_quantize,
                              nvfp4_weight_global_scale)
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import QuantScheme

@@ -4,7 +4,7 @@ compressed-tensors' FP8_BLOCK preset (observer math, float-quantized compressor,
 import pytest
 import torch
 
-from qtk.quant.fp8_block import fp8_block_dequantize, fp8_block_quantize, fp8_block_scales, fp8_group_fake_quant
+from qtk.quant.formats.fp8_block import fp8_block_dequantize, fp8_block_quantize, fp8_block_scales, fp8_group_fake_quant
 
 
 def test_ragged_layout():

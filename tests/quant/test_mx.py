@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qtk.quant.fp4 import pack_fp4, unpack_fp4
-from qtk.quant.mx import (
+from qtk.quant.formats.mx import (
     e8m0_decode,
     e8m0_encode,
     mx_fake_quant,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import qtk.quant.native as native
+from qtk.quant.formats import kernel
 from qtk.quant.native import rounding
 from qtk.quant.error import ErrorSum, block_rows, relative_error
 from qtk.quant.qtensor import QTensor
@@ -49,7 +50,7 @@ def test_fp8_rounding_of_every_half_value_is_torchs(half):
     ref = QTensor.quantize(w.float(), FP8, half)
     assert torch.equal(ref.scale, torch.ones_like(ref.scale))  # the premise: quotient = value
     for given in (w, w.float()):
-        values, scale, _ = rounding.native_rtn(given, FP8, half, want_error=False)
+        values, scale, _ = kernel.native_rtn(given, FP8, half, want_error=False)
         assert _same(values, ref.values) and torch.equal(scale, ref.scale)
 
 
@@ -65,7 +66,7 @@ def test_fp4_rounding_of_every_half_value_is_torchs(half):
     ref = QTensor.quantize(w.float(), MXFP4, half)
     led = ref.scale[:-1]  # the padding's all-zero groups (last row) take the smallest scale
     assert torch.equal(led, torch.ones_like(led))
-    values, scale, _ = rounding.native_rtn(w, MXFP4, half, want_error=False)
+    values, scale, _ = kernel.native_rtn(w, MXFP4, half, want_error=False)
     assert _same(values, ref.values) and torch.equal(scale, ref.scale)
 
 
@@ -91,11 +92,11 @@ def test_fp4_group_scales_of_every_half_amax_are_torchs(half):
     qp = NVFP4Format().row_qparams(w.float(), NVFP4, half, extra)
     ref = NVFP4Format().quantize(w.float(), qp, NVFP4)
     for given in (w, w.float()):
-        values, scale, _ = rounding.native_rtn(given, NVFP4, half, extra, want_error=False)
+        values, scale, _ = kernel.native_rtn(given, NVFP4, half, extra, want_error=False)
         assert _same(values, ref) and torch.equal(scale, qp.scale.float())
     w = _group_leaders(half, 32, float("inf"))
     ref = QTensor.quantize(w.float(), MXFP4, half)
-    values, scale, _ = rounding.native_rtn(w, MXFP4, half, want_error=False)
+    values, scale, _ = kernel.native_rtn(w, MXFP4, half, want_error=False)
     assert _same(values, ref.values) and torch.equal(scale, ref.scale.float())
 
 
@@ -121,7 +122,7 @@ def test_codes_scales_and_error_are_the_torch_paths(scheme, dtype, given):
     w32 = _weights(rows=150 if scheme.strategy == "block" else 96).to(dtype).float()  # values of the model dtype
     w = w32 if given == "float32" else w32.to(dtype)
     ref = QTensor.quantize(w32, scheme, dtype)
-    values, scale, sums = rounding.native_rtn(w, scheme, dtype, dict(ref.extra) or None)
+    values, scale, sums = kernel.native_rtn(w, scheme, dtype, dict(ref.extra) or None)
     assert _same(values, ref.values) and torch.equal(scale, ref.scale) and ref.zero_point is None
     qt = QTensor(values, scale, scheme, None, None, dtype, dict(ref.extra))
     decoded = engine_weight(qt)
@@ -135,9 +136,9 @@ def test_codes_scales_and_error_are_the_torch_paths(scheme, dtype, given):
 @pytest.mark.parametrize("scheme", [INT4_G128, BLOCK_SMALL], ids=["int4g128", "block16x96"])
 def test_results_do_not_depend_on_the_thread_count(scheme):
     w = _weights(rows=301, cols=384, seed=3).to(torch.bfloat16)
-    one = rounding.native_rtn(w, scheme, torch.bfloat16, threads=1)
+    one = kernel.native_rtn(w, scheme, torch.bfloat16, threads=1)
     for threads in (2, 3, 7):
-        got = rounding.native_rtn(w, scheme, torch.bfloat16, threads=threads)
+        got = kernel.native_rtn(w, scheme, torch.bfloat16, threads=threads)
         assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
         assert torch.equal(got[2].row_e, one[2].row_e) and torch.equal(got[2].row_w, one[2].row_w)
         assert got[2].amax == one[2].amax
@@ -160,15 +161,15 @@ def test_error_sums_are_float64_sums_of_the_float32_differences():
 
 def test_schemes_and_tensors_it_does_not_cover_fall_back():
     w = _weights().to(torch.bfloat16)
-    assert rounding.native_rtn(w, QuantScheme(num_bits=4, type="int", strategy="group", group_size=128, symmetric=False),
+    assert kernel.native_rtn(w, QuantScheme(num_bits=4, type="int", strategy="group", group_size=128, symmetric=False),
                                torch.bfloat16) is None  # asymmetric
-    assert rounding.native_rtn(w, QuantScheme(num_bits=8, type="float", strategy="tensor"), torch.bfloat16) is None
-    assert rounding.native_rtn(w, QuantScheme(num_bits=4, type="int", strategy="group", group_size=128,
+    assert kernel.native_rtn(w, QuantScheme(num_bits=8, type="float", strategy="tensor"), torch.bfloat16) is None
+    assert kernel.native_rtn(w, QuantScheme(num_bits=4, type="int", strategy="group", group_size=128,
                                               observer="mse"), torch.bfloat16) is None
-    assert rounding.native_rtn(w[:, :200], INT4_G128, torch.bfloat16) is None  # 200 columns: no whole groups
-    assert rounding.native_rtn(w.to(torch.float16), FP8, torch.bfloat16) is None  # fp16 weights of a bf16 model
-    assert rounding.native_rtn(w, NVFP4, torch.bfloat16) is None  # NVFP4 without its global scale
-    assert rounding.native_rtn(w, QuantScheme(num_bits=8, type="float", strategy="group", group_size=32,
+    assert kernel.native_rtn(w[:, :200], INT4_G128, torch.bfloat16) is None  # 200 columns: no whole groups
+    assert kernel.native_rtn(w.to(torch.float16), FP8, torch.bfloat16) is None  # fp16 weights of a bf16 model
+    assert kernel.native_rtn(w, NVFP4, torch.bfloat16) is None  # NVFP4 without its global scale
+    assert kernel.native_rtn(w, QuantScheme(num_bits=8, type="float", strategy="group", group_size=32,
                                                scale_dtype="e8m0"), torch.bfloat16) is None  # MXFP8
 
 
@@ -176,13 +177,13 @@ def test_schemes_and_tensors_it_does_not_cover_fall_back():
 def test_a_weight_that_is_not_finite_is_left_to_the_torch_path(bad):
     w = _weights()
     w[7, 9] = bad
-    assert rounding.native_rtn(w.to(torch.bfloat16), INT8, torch.bfloat16) is None
+    assert kernel.native_rtn(w.to(torch.bfloat16), INT8, torch.bfloat16) is None
 
 
 def test_a_scale_past_the_model_dtypes_range_is_left_to_the_torch_path():
     w = _weights()
     w[0, 0] = 3e7  # amax / 127.5 is past float16's 65504: the scale rounds to Inf
-    assert rounding.native_rtn(w, INT8, torch.float16) is None
+    assert kernel.native_rtn(w, INT8, torch.float16) is None
     assert torch.isinf(QTensor.quantize(w, INT8, torch.float16).scale).any()  # what the torch path then refuses
 
 
@@ -204,16 +205,8 @@ class _Tampered:
 
 def test_the_self_test_catches_a_kernel_that_disagrees_with_torch():
     lib = native.library()
-    assert rounding.self_test(lib) is None
-    assert "differ" in rounding.self_test(_Tampered(lib))
-
-
-@pytest.fixture
-def fresh_library(monkeypatch, tmp_path):
-    monkeypatch.setenv("QTK_CACHE_DIR", str(tmp_path / "cache"))
-    native.library.cache_clear()
-    yield
-    native.library.cache_clear()
+    assert kernel.self_test(lib) is None
+    assert "differ" in kernel.self_test(_Tampered(lib))
 
 
 def test_the_kernels_can_be_turned_off_and_a_missing_compiler_falls_back(fresh_library, monkeypatch):
@@ -236,10 +229,13 @@ def test_the_self_test_compares_with_torch_alone_and_loads_once(fresh_library, m
     calls, real = [], native._checked_library
     monkeypatch.setattr(native, "_checked_library", lambda: (calls.append(1), real())[1])
     seen = []
-    real_test = rounding.self_test
-    monkeypatch.setattr(rounding, "self_test", lambda lib: (seen.append(native.library()), real_test(lib))[1])
-    assert native.library() is not None and len(calls) == 1
-    assert seen == [None] and native.library() is not None and len(calls) == 1
+    real_test = kernel.self_test
+    # the rounding kernel is checked by the formats, whose arithmetic is the reference: inside that check it is not
+    # trusted (the reference never reaches it), and the library is not loaded again
+    monkeypatch.setattr(kernel, "self_test", lambda lib: (seen.append(kernel.trusted(lib)), real_test(lib))[1])
+    lib = native.library()
+    assert lib is not None and len(calls) == 1
+    assert kernel.trusted(lib) and seen == [False] and native.library() is lib and len(calls) == 1
 
 
 def test_a_build_lands_in_the_cache_once(fresh_library, monkeypatch):
@@ -301,7 +297,7 @@ def test_nibble_packing_is_the_torch_paths(torch_path, monkeypatch):
 def test_e4m3_decoding_is_torchs_for_every_code():
     """The self-check's native decode of fp8 scales gives torch's float32 for all 256 e4m3 codes, bit for bit (the
     NaN codes 0x7f and 0xff stay NaN: a NaN scale on disk must fail the check), in any shape; other dtypes: None."""
-    from qtk.export.codecs.ct import _float
+    from qtk.quant.formats.base import as_float32 as _float
     from qtk.quant.native.packing import e4m3_to_float
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
@@ -318,7 +314,7 @@ def test_e8m0_decoding_through_the_byte_table_is_the_definition_for_every_code()
     """MX scales decoded by the native byte table are the definition's float32 for all 256 E8M0 codes, bit for bit
     (255 stays NaN, 0 is the subnormal 2^-127), in any shape; codes that are not uint8 or a table that is not float32
     [256] are refused."""
-    from qtk.quant import mx
+    from qtk.quant.formats import mx
     from qtk.quant.native.packing import bytes_to_float
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from qtk.quant.fp4 import pack_fp4, unpack_fp4
-from qtk.quant.nvfp4 import (
+from qtk.quant.formats.nvfp4 import (
     nvfp4_dequantize,
     nvfp4_fake_quant,
     nvfp4_global_scale,

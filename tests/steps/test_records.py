@@ -3,7 +3,7 @@
 import json
 
 from qtk.steps.records import (AWQRecord, ExpertTokensRecord, GPTQRecord, GPTQSolve, RTNFallback, SmoothQuantRecord,
-                               folded_scales, records_from_json, records_to_json)
+                               records_from_json, records_to_json)
 
 
 def test_each_record_has_the_manifest_shape():
@@ -31,9 +31,9 @@ def test_each_record_has_the_manifest_shape():
 
 def test_folded_scales_are_smoothquants_or_awqs_chosen_ones():
     sq = SmoothQuantRecord({"input_layernorm": [2.0], "self_attn.v_proj": None})
-    assert folded_scales({"smoothquant": sq}) == {"input_layernorm": [2.0]}
+    assert sq.folded() == {"input_layernorm": [2.0]}
     awq = AWQRecord({"input_layernorm": 0.5, "mlp.up_proj": None}, {}, {"input_layernorm": [3.0]})
-    assert folded_scales({"awq": awq, "gptq": GPTQRecord()}) == {"input_layernorm": [3.0]}
+    assert awq.folded() == {"input_layernorm": [3.0]} and not hasattr(GPTQRecord(), "folded")
 
 
 def test_a_layer_result_reads_records_from_their_json():

@@ -8,7 +8,7 @@ import pytest
 
 from qtk.errors import UsageError
 from qtk.recipe import load_recipe, parse_recipe
-from qtk.recipe.params import STEP_PARAMS, Phase, register_step as declare_step
+from qtk.recipe.params import STEP_PARAMS, Phase, declare_step
 from qtk.steps import STEPS, plan_steps, register_step, unregister_step
 from qtk.steps.records import RECORDS, StepRecord, register_record
 
@@ -149,3 +149,80 @@ def test_solvers_need_data_and_say_so(tiny_llama):
 def test_registering_a_step_twice_is_refused():
     with pytest.raises(ValueError, match="already registered"):
         register_step("gptq")(lambda ctx, params: None)
+
+
+@dataclass
+class _PermutationRecord(StepRecord):
+    """The order a step put each MLP's intermediate channels in: a change of the weights' frame."""
+
+    name = "permute_mlp"
+    perm: list = None
+
+    def to_json(self):
+        return {"perm": self.perm}
+
+    @classmethod
+    def from_json(cls, data):
+        return cls(data["perm"])
+
+    def reframe(self, W, rel, arch):
+        if rel in ("mlp.gate_proj", "mlp.up_proj"):
+            return W[self.perm]
+        return W[:, self.perm] if rel == "mlp.down_proj" else W
+
+
+@pytest.fixture
+def permute_step():
+    """A TRANSFORM that changes the frame the weights are quantized in (as a rotation does): it permutes each MLP's
+    intermediate channels, which leaves the layer's function as it was and every weight of the MLP in a new order."""
+    import torch
+
+    @declare_step("permute_mlp", phase=Phase.TRANSFORM)
+    @dataclass(frozen=True)
+    class PermuteParams:
+        seed: int = 0
+        needs_data = True
+        changes_frame = True
+
+        def validate(self, where):
+            pass
+
+    register_record(_PermutationRecord)
+
+    @register_step("permute_mlp")
+    def run(ctx, params):
+        inter = ctx.weight("mlp.up_proj").shape[0]
+        perm = torch.randperm(inter, generator=torch.Generator().manual_seed(params.seed + ctx.index))
+        with torch.no_grad():
+            for n in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                w = ctx.master[n][perm] if n != "mlp.down_proj" else ctx.master[n][:, perm]
+                ctx.master[n] = w
+                ctx.layer.get_submodule(n).weight.copy_(w)
+        return _PermutationRecord(perm.tolist())
+
+    yield
+    unregister_step("permute_mlp")
+    del STEP_PARAMS["permute_mlp"], RECORDS["permute_mlp"]
+
+
+def test_a_step_that_changes_the_frame_plugs_in_without_the_loop_or_the_checks_naming_it(permute_step, tiny_llama,
+                                                                                       calib_file, tmp_path):
+    """The loop measures each weight's error against the source put through the step's record, and the self-check
+    and `qtk inspect` rebuild that frame from the manifest: the conversion passes, with the small errors of int8
+    against the permuted weights (the unpermuted source would be a relative error of about 1.4)."""
+    import yaml
+
+    from qtk import api
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "permuted", "weights": W8, "algorithm": [{"permute_mlp": {"seed": 3}}, "rtn"]}))
+    res = api.convert(tiny_llama, str(recipe), tmp_path / "out", calib=str(calib_file), num_samples=4, seq_len=16,
+                      hash_source=False)
+    recorded = res.manifest["stats"]["weight_error"]  # what the loop measured
+    rep = api.inspect(res.outputs["vllm"], source=tiny_llama)
+    assert rep.ok, [c for c in rep.checks if not c.ok]
+    mlp = {m: e for m, e in rep.errors.items() if ".mlp." in m}
+    assert len(mlp) == 6 and max(mlp.values()) < 0.05, mlp
+    assert all(abs(recorded[m] - e) < 1e-3 for m, e in mlp.items())
+    perms = [layer["permute_mlp"]["perm"] for layer in res.manifest["stats"]["algorithm"].values()]
+    assert len(perms) == 2 and all(p != sorted(p) for p in perms)  # the frame did change

@@ -1,12 +1,13 @@
 """Statistics as accumulators: one process's reduce (LOCAL) leaves every statistic bit for bit as accumulated, and the
 reduce seam is enough for several processes — simulated here with two — to get the statistics of all their tokens
-(Hessians summed in float64, bit for bit the one process's, maxima maxed, counts summed, search losses weighted by tokens)."""
+(Hessians summed in float64, bit for bit the one process's, maxima maxed, counts summed, token samples gathered into the
+one process's sample)."""
 
 import pytest
 import torch
 
-from qtk.steps.stats import (LOCAL, Amax, ChannelMax, ExpertTokens, Hessian, KVAmax, Reducer, SearchLosses,
-                             TokenSample, evenly_spaced)
+from qtk.steps.stats import (LOCAL, Amax, ChannelMax, ExpertTokens, Hessian, KVAmax, Reducer, TokenSample,
+                             evenly_spaced)
 
 G = torch.Generator().manual_seed(0)
 BATCHES = [torch.randn(2, 7 + i, 32, generator=G) * (1 + i) for i in range(5)]
@@ -26,10 +27,6 @@ class Recording(Reducer):
 
     max_ = sum_
 
-    def weighted_mean_(self, t, count):
-        self.sent.append((t.clone(), count))
-        return t, count
-
 
 class Peer(Reducer):
     """The other process: combines its tensors with what Recording saw, call by call, as an all-reduce would."""
@@ -44,11 +41,6 @@ class Peer(Reducer):
 
     def max_(self, t):
         return torch.maximum(t, self.sent.pop(0), out=t)
-
-    def weighted_mean_(self, t, count):
-        other, n = self.sent.pop(0)
-        total = count + n
-        return t.mul_(count / total).add_(other * (n / total)), total
 
 
 def test_local_reduce_leaves_every_statistic_as_accumulated():
@@ -72,8 +64,11 @@ def test_local_reduce_leaves_every_statistic_as_accumulated():
     amax = cm.amax.clone()
     assert torch.equal(cm.reduce(LOCAL).amax, amax) and cm.tokens == n
     assert a.reduce(LOCAL).value == max(float(x.abs().amax()) for x in BATCHES)
-    losses = torch.tensor([0.3, 0.1, 0.2], dtype=torch.float64)
-    assert SearchLosses(17).update(losses).reduce(LOCAL).losses is losses
+    sample = TokenSample(8, len(BATCHES))
+    for x in BATCHES:
+        sample.update(x)
+    parts = list(sample.parts)
+    assert sample.reduce(LOCAL) is sample and all(a is b for a, b in zip(sample.parts, parts))
     empty = Hessian(8)
     assert empty.reduce(LOCAL).H is None and empty.tokens == 0  # no tokens, nothing allocated
 
@@ -112,16 +107,6 @@ def test_two_processes_get_the_statistics_of_all_their_tokens():
     assert e.as_lists() == {"block": [sum(x.shape[1] for x in BATCHES), 5, 0]}
 
 
-def test_search_losses_merge_as_a_mean_over_every_process_tokens():
-    rec = Recording()
-    SearchLosses(10).update(torch.tensor([1.0, 4.0], dtype=torch.float64)).reduce(rec)
-    merged = SearchLosses(30).update(torch.tensor([3.0, 0.0], dtype=torch.float64)).reduce(Peer(rec.sent))
-    assert merged.tokens == 40 and merged.losses.tolist() == pytest.approx([2.5, 1.0])
-    combine = SearchLosses.combiner(LOCAL)
-    t = torch.tensor([0.5, 0.25])
-    assert combine(t, 3) is t
-
-
 def test_an_empty_hessian_joins_the_reduction_with_zeros():
     """A process no token reached still takes part (collectives need every process), with weight 0."""
     full, ref = Hessian(32), Hessian(32)
@@ -145,6 +130,39 @@ def test_token_sample_keeps_evenly_spaced_tokens_per_batch():
     assert torch.equal(s.sample(), evenly_spaced(torch.cat(parts), 12))
     assert s.sample().shape == (10, 32)
     assert TokenSample(4, 1).sample() is None  # nothing seen: an expert no token reached
+
+
+class Gathering(Reducer):
+    """Process `rank` of two gathering objects, the other process's object given."""
+
+    world_size = 2
+
+    def __init__(self, rank, other):
+        self.rank, self.other = rank, other
+
+    def all_gather_objects(self, obj):
+        return [obj, self.other] if self.rank == 0 else [self.other, obj]
+
+
+def test_token_samples_of_two_processes_gather_into_the_sample_of_one():
+    """Each process samples its micro-batches at the whole calibration's rate (limit // all micro-batches) and the
+    processes gather their tokens in micro-batch order: both hold the very sample of one process, so AWQ's searches
+    choose what one process chooses. Sampling at a process's own rate (limit // its micro-batches) would not."""
+    whole = TokenSample(12, len(BATCHES))
+    for x in BATCHES:
+        whole.update(x)
+    shares = [BATCHES[:3], BATCHES[3:]]  # contiguous, as qtk.pipeline.distributed.micro_batch_shares assigns them
+    procs = [TokenSample(12, len(BATCHES)) for _ in shares]
+    for acc, share in zip(procs, shares):
+        for x in share:
+            acc.update(x)
+    sent = [[t.clone() for t in acc.parts] for acc in procs]
+    for rank, acc in enumerate(procs):
+        assert torch.equal(acc.reduce(Gathering(rank, sent[1 - rank])).sample(), whole.sample())
+    own_rate = TokenSample(12, len(shares[0]))
+    for x in shares[0]:
+        own_rate.update(x)
+    assert not torch.equal(own_rate.reduce(Gathering(0, sent[1])).sample(), whole.sample())
 
 
 def test_kv_hook_passes_key_and_value_through():

@@ -5,7 +5,7 @@ Each module holds an `encode(qt, ...) -> {key: tensor}` (keys relative to the Li
 The writer writes what encode returns and the reader hands decode what it read, so the two cannot drift apart;
 tests/export/test_codecs.py checks decode(encode(qt)) == qt for every format and scheme.
 
-    ct.py       compressed-tensors: pack-quantized, int-quantized, float-quantized   (--target vllm)
+    ct.py       compressed-tensors: each number format's own layout (qtk.quant.formats) (--target vllm)
     gptq.py     legacy GPTQ: qweight / qzeros / scales / g_idx                       (--target gptq)
     awq.py      legacy AWQ GEMM: interleaved qweight / qzeros, scales                (--target awq)
     trtllm.py   TensorRT-LLM per quant_algo, with each tensor's sharding axes         (--target trtllm)

@@ -18,7 +18,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.quant.pack import offset, pack_gptq_qweight, pack_gptq_qzeros, unpack_gptq_qweight, unpack_gptq_qzeros
 from qtk.quant.qtensor import QTensor
-from qtk.quant.scheme import QuantScheme
+from qtk.quant.scheme import QuantScheme, Strategy
 
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -37,14 +37,14 @@ def per_group(t: torch.Tensor, out_features: int) -> torch.Tensor:
 def g_idx_of(qt: QTensor) -> torch.Tensor:
     """The g_idx stored for a QTensor: its own (act-order), else the trivial one."""
     s = qt.scheme
-    trivial = trivial_g_idx(qt.shape[1], s.group_size if s.strategy == "group" else None)
+    trivial = trivial_g_idx(qt.shape[1], s.group_size if s.strategy == Strategy.GROUP else None)
     return trivial if qt.g_idx is None else qt.g_idx.to(torch.int32)
 
 
 def acts_in_order(qt: QTensor) -> bool:
     """True when the QTensor's groups are in column order (desc_act false)."""
     s = qt.scheme
-    return torch.equal(g_idx_of(qt), trivial_g_idx(qt.shape[1], s.group_size if s.strategy == "group" else None))
+    return torch.equal(g_idx_of(qt), trivial_g_idx(qt.shape[1], s.group_size if s.strategy == Strategy.GROUP else None))
 
 
 def needs_v2(qt: QTensor) -> bool:
@@ -80,7 +80,7 @@ def decode(t: Mapping[str, torch.Tensor], scheme: QuantScheme, v1: bool, where: 
     g_idx = t["g_idx"].to(torch.int32) if "g_idx" in t else None
     if g_idx is not None and torch.equal(g_idx, trivial_g_idx(in_f, s.group_size)):
         g_idx = None
-    if g_idx is None and s.strategy == "group" and scale.shape[1] * s.group_size != in_f:
+    if g_idx is None and s.strategy == Strategy.GROUP and scale.shape[1] * s.group_size != in_f:
         raise UsageError(f"{where} has {scale.shape[1]} scale groups for {in_f} inputs",
                          f"the checkpoint does not match its group_size {s.group_size}")
     return QTensor(values, scale, s, zero, g_idx, torch.float16)  # the kernels dequantize in the scales' fp16

@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qtk.errors import UsageError
-from qtk.export.base import next_format
 from qtk.export.codecs.trtllm import INT4_GROUP_ALGOS, NVFP4_ALGOS, PLAIN_ALGOS
-from qtk.quant.scheme import QuantScheme
+from qtk.plan.serving import kernel_family
+from qtk.quant.scheme import QuantScheme, Strategy
 from qtk.recipe.rules import ModuleScheme
+from qtk.recipe.schema import checked_scheme
 
 # TensorRT-LLM's group-wise int4 GEMM (weight_only_groupwise_quant_matmul) is built for these group sizes
 AWQ_GROUP_SIZES = (64, 128)
@@ -109,7 +110,7 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
     notes: list[str] = []
     if w.is_nvfp4:  # ModelOpt's export_tensorrt_llm_checkpoint of NVFP4_DEFAULT_CFG / W4A16_NVFP4_CFG
         return LayerAlgo("NVFP4" if a is not None else "W4A16_NVFP4", w.group_size), notes
-    new = next_format(scheme)
+    new = kernel_family(scheme)
     if new == "W4A8-FP8":  # ModelOpt's export_tensorrt_llm_checkpoint of W4A8_AWQ_BETA_CFG
         if a.dynamic:
             raise UsageError(f"{where}: TensorRT-LLM's W4A8_AWQ quantizes activations to FP8 per tensor with a static "
@@ -142,19 +143,19 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
     if w.is_fp8:
         if a is None:
             raise UsageError(f"{where}: TensorRT-LLM has no FP8 weight-only checkpoint mode", "add fp8 activations (recipes fp8, fp8-dynamic)")
-        if w.strategy == "tensor" and not a.dynamic:
+        if w.strategy == Strategy.TENSOR and not a.dynamic:
             algo = "FP8"
-        elif w.strategy == "channel" and a.dynamic and a.strategy == "token":
+        elif w.strategy == Strategy.CHANNEL and a.dynamic and a.strategy == Strategy.TOKEN:
             algo = "FP8_PER_CHANNEL_PER_TOKEN"
         else:
             raise UsageError(f"{where}: TensorRT-LLM runs FP8 as per-tensor weights with static activations or per-channel "
                              f"weights with per-token dynamic activations, not {w.describe()} weights with {a.describe()} activations",
                              "use the fp8 or fp8-dynamic recipe")
     elif a is not None:
-        if w.num_bits != 8 or w.strategy != "channel":
+        if w.num_bits != 8 or w.strategy != Strategy.CHANNEL:
             raise UsageError(f"{where}: TensorRT-LLM's W8A8 checkpoints need int8 per-channel weights, not {w.describe()}",
                              "set weights: {num_bits: 8, strategy: channel}")
-        if a.dynamic and a.strategy == "token":
+        if a.dynamic and a.strategy == Strategy.TOKEN:
             algo = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
         elif not a.dynamic:
             algo = "W8A8_SQ_PER_CHANNEL"
@@ -162,16 +163,16 @@ def module_algo(scheme: ModuleScheme, recipe) -> tuple[LayerAlgo, list[str]]:
             raise UsageError(f"{where}: TensorRT-LLM quantizes int8 activations per token (dynamic) or per tensor (static), not {a.describe()}",
                              "set activations to {strategy: token, dynamic: true} or {strategy: tensor, dynamic: false}")
     elif w.num_bits == 8:
-        if w.strategy != "channel":
+        if w.strategy != Strategy.CHANNEL:
             raise UsageError(f"{where}: TensorRT-LLM's int8 weight-only mode (W8A16) is per-channel, not {w.strategy}", "set weights.strategy: channel")
         algo = "W8A16"
     elif w.num_bits == 4:
         if not w.symmetric:
             raise UsageError(f"{where}: TensorRT-LLM's int4 checkpoints (W4A16, W4A16_AWQ) are symmetric; asymmetric int4 has no layout there",
                              "set weights.symmetric: true (or write the asymmetric model with --target vllm)")
-        if w.strategy == "channel":
+        if w.strategy == Strategy.CHANNEL:
             algo = "W4A16"
-        elif w.strategy == "group":
+        elif w.strategy == Strategy.GROUP:
             if w.group_size not in AWQ_GROUP_SIZES:
                 raise UsageError(f"{where}: TensorRT-LLM's group-wise int4 kernels take group_size 64 or 128, not {w.group_size}",
                                  "set weights.group_size: 128")
@@ -214,7 +215,7 @@ def trtllm_quant(recipe) -> TRTQuant:
     return TRTQuant(MIXED, kv_algo, None, tuple(notes), algos)
 
 
-def scheme_of(algo: str | None, group_size: int | None) -> ModuleScheme:
+def algo_scheme(algo: str | None, group_size: int | None) -> ModuleScheme:
     """The scheme TensorRT-LLM runs for a quant_algo (what a reader reports)."""
     table = {
         "FP8": (QuantScheme(8, "float", True, "tensor"), QuantScheme(8, "float", True, "tensor")),
@@ -230,4 +231,4 @@ def scheme_of(algo: str | None, group_size: int | None) -> ModuleScheme:
     }
     if algo not in table:
         raise UsageError(f"qtk cannot read TensorRT-LLM checkpoints with quant_algo {algo}", f"readable: {', '.join(table)}, {MIXED}")
-    return ModuleScheme(*table[algo])
+    return checked_scheme(*table[algo], where=f"TensorRT-LLM quant_algo {algo}")

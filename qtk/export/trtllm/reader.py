@@ -6,7 +6,6 @@ quant_cfg.json gives its module)."""
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from pathlib import Path
 
@@ -14,12 +13,14 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.export import register_reader
-from qtk.export.checkpoint import Checkpoint
+from qtk.export.checkpoint import Checkpoint, read_json
 from qtk.export.codecs.trtllm import PLAIN_ALGOS, axes, decode, layout, w4a8_range_problem
-from qtk.export.trtllm.algo import MIXED, LayerAlgo, scheme_of
+from qtk.export.trtllm.algo import MIXED, LayerAlgo, algo_scheme
 from qtk.export.trtllm.sharding import COLUMN, QKV, ROW
 from qtk.export.trtllm.writer import EXTRA_LAYER_NAMES
 from qtk.model.arch import DOWN, FAMILIES, HF_CLASS_TO_MODEL_TYPE, K, O, Q, TRTLLM_MODEL_TYPES, V, Geometry, arch_for
+from qtk.model.config_check import MAX_CONFIG_BYTES
+from qtk.quant.formats import format_for
 from qtk.quant.qtensor import QTensor
 from qtk.recipe.rules import ModuleScheme
 
@@ -36,14 +37,17 @@ class TRTLLMCheckpoint(Checkpoint):
         if not (p.is_file() and (path / "rank0.safetensors").is_file()):
             return False
         try:
-            cfg = json.loads(p.read_text())
-        except json.JSONDecodeError:
+            cfg = read_json(p, MAX_CONFIG_BYTES)
+        except (OSError, ValueError):  # not JSON, too large, nested past the parser's stack
             return False
         return isinstance(cfg, dict) and "architecture" in cfg and "mapping" in cfg
 
     def __init__(self, path: Path):
         super().__init__(path)
-        self.trt = json.loads((self.path / "config.json").read_text())
+        try:
+            self.trt = read_json(self.path / "config.json", MAX_CONFIG_BYTES)
+        except (OSError, ValueError) as e:
+            raise self._broken(f"config.json cannot be read ({' '.join(str(e).split())[:160]})") from None
         arch_name = self.trt["architecture"]
         mt = self.trt.get("qwen_type") or HF_CLASS_TO_MODEL_TYPE.get(arch_name)
         if mt not in TRTLLM_MODEL_TYPES:
@@ -60,14 +64,17 @@ class TRTLLMCheckpoint(Checkpoint):
         # MIXED_PRECISION: each module's algorithm from quant_cfg.json (first fnmatch-ing pattern, as TensorRT-LLM)
         self.layer_algos: dict[str, LayerAlgo] = {}
         if self.quant_algo == MIXED:
-            layers = json.loads((self.path / "quant_cfg.json").read_text())["quantized_layers"]
+            try:
+                layers = read_json(self.path / "quant_cfg.json", MAX_CONFIG_BYTES)["quantized_layers"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise self._broken(f"quant_cfg.json cannot be read ({e.__class__.__name__})") from None
             self.layer_algos = {name: LayerAlgo(c["quant_algo"], c.get("group_size")) for name, c in layers.items()}
             first = next(iter(self.layer_algos.values()), LayerAlgo("W8A16"))
-            default = scheme_of(first.algo, first.group_size)
+            default = algo_scheme(first.algo, first.group_size)
             for a in self.layer_algos.values():
-                scheme_of(a.algo, a.group_size)  # every algorithm one qtk reads
+                algo_scheme(a.algo, a.group_size)  # every algorithm one qtk reads
         else:
-            default = scheme_of(self.quant_algo, q.get("group_size"))
+            default = algo_scheme(self.quant_algo, q.get("group_size"))
         self.weights_scheme, self.activations = default.weights, default.activations
         self.kv_cache = {"INT8": "int8", "FP8": "fp8"}.get(q.get("kv_cache_quant_algo"))
         self.kv_scale_floor = 1.0 if self.kv_cache == "fp8" else None  # FP8 KV factors are clamped to >= 1.0
@@ -202,7 +209,7 @@ class TRTLLMCheckpoint(Checkpoint):
             return None
         layer, trt, _ = self._trt_of(module)
         a = self._algo(layer, trt)
-        return scheme_of(a.algo, a.group_size)
+        return algo_scheme(a.algo, a.group_size)
 
     # ---- Checkpoint API
     def ignore_patterns(self) -> list[str]:
@@ -274,8 +281,8 @@ class TRTLLMCheckpoint(Checkpoint):
         t = self._module(layer, trt)[ci].get("activation_scaling_factor")
         if t is None:
             return None
-        # NVFP4's activation scale is amax/2688, the inverse of the global scale the simulator multiplies by
-        return 1.0 / t.float().reshape(1) if scheme.activations.is_nvfp4 else t.float().reshape(1)
+        # a scale that multiplies (NVFP4's global scale) is stored as its inverse (amax/2688), as ModelOpt writes it
+        return 1.0 / t.float().reshape(1) if format_for(scheme.activations).input_scale_multiplies else t.float().reshape(1)
 
     def kv_scales(self, layer: int) -> tuple[float, float] | None:
         """TensorRT-LLM scales K and V with one factor (max of k and v): the cache holds round(x / s)."""

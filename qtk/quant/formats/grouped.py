@@ -1,41 +1,79 @@
 """What formats with one scale (and zero point) per tensor, output channel or group of input columns share: the
-grouped views of a weight, the min-max and MSE-grid observers, and the quantize / dequantize skeleton. A format
-(integer.py, fp8.py) supplies its scale rule, zero point, rounding and storage dtype.
+grouped views of a weight, the min-max and MSE-grid observers, the quantize / dequantize skeleton, the scale's
+shape and check, the native kernel's plan and the rows that round on their own. A format (integer.py, fp8.py)
+supplies its scale rule, zero point, rounding, storage dtype and compressed-tensors layout.
 
 Dequantized w = (q - zero) * scale.
 """
 
 from __future__ import annotations
 
-import torch
-
-from qtk.quant.formats.base import Format, QParams
 from qtk.quant.e4m3 import to_float32
-from qtk.quant.scheme import QuantScheme
+from qtk.quant.formats.base import SCALAR, Format, QParams, float_dtypes
+from qtk.quant.lazy import torch
+from qtk.quant.scheme import QuantScheme, Strategy
 
-STRATEGIES = ("tensor", "channel", "group")
-_TINY = torch.finfo(torch.float32).tiny
+STRATEGIES = (Strategy.TENSOR, Strategy.CHANNEL, Strategy.GROUP)
+_TINY = 2.0 ** -126  # float32's smallest normal number
+
+
+def is_half(dtype) -> bool:
+    """Whether `dtype` is a 16-bit float (bf16, fp16): the dtypes whose reference quantizers round their arithmetic."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def g_idx_of(tensors) -> "torch.Tensor | None":
+    """An older compressed-tensors checkpoint's act-order g_idx (actorder "group"); decoding without it would be
+    wrong. Read, never written (compressed-tensors 0.20 rejects it)."""
+    return tensors["weight_g_idx"].to(torch.int32) if "weight_g_idx" in tensors else None
+
+
+def decode_unpacked(t, scheme: QuantScheme, dtype) -> "qtk.quant.qtensor.QTensor":
+    """The QTensor of a weight stored unpacked: `weight` holds its values, `weight_scale` its scales (as float32),
+    and an older checkpoint's g_idx when there is one."""
+    from qtk.quant.formats.base import as_float32
+    from qtk.quant.qtensor import QTensor
+
+    return QTensor(t["weight"], as_float32(t["weight_scale"]), scheme, None, g_idx_of(t), dtype)
+
+
+def check_unpacked(view, module: str, scheme: QuantScheme, shape, values_dtype, scale_shape: list[int]) -> list[str]:
+    """Problems of a weight stored unpacked: `weight` [out, in] in values_dtype, its scale and any g_idx."""
+    problems: list[str] = []
+    view.expect(f"{module}.weight", (values_dtype,), list(shape), problems)
+    check_scale_and_g_idx(view, module, scale_shape, scheme.describe(), shape[1], problems)
+    return problems
+
+
+def check_scale_and_g_idx(view, module: str, scale_shape: list[int], describe: str, in_f: int,
+                          problems: list[str]) -> None:
+    """A module's float weight_scale in its scheme's shape, and a g_idx [in] when one is stored."""
+    view.expect(f"{module}.weight_scale", float_dtypes(), SCALAR if scale_shape == [1] else scale_shape, problems,
+                f" ({describe})")
+    gi = f"{module}.weight_g_idx"
+    if view.has(gi):
+        view.expect(gi, (torch.int32, torch.int64), [in_f], problems)
 
 
 def grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """View w [out, in] as [out, n_groups, group] so each statistic reduces over the last dim."""
     out, inp = w.shape
-    if scheme.strategy == "tensor":
+    if scheme.strategy == Strategy.TENSOR:
         return w.reshape(1, 1, -1)
-    if scheme.strategy == "channel":
+    if scheme.strategy == Strategy.CHANNEL:
         return w.reshape(out, 1, inp)
-    if scheme.strategy == "group":
+    if scheme.strategy == Strategy.GROUP:
         g = scheme.group_size
         assert inp % g == 0, f"group_size {g} does not divide in_features {inp}"  # validated upstream
         return w.reshape(out, inp // g, g)
-    raise ValueError(f"weights cannot use strategy {scheme.strategy!r}")
+    raise ValueError(f"weights cannot use strategy '{scheme.strategy}'")
 
 
 def ungroup(t: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """[out|1, n_groups, 1] -> the storage shape of a scale for the strategy: [1], [out, 1] or [out, in/group]."""
-    if scheme.strategy == "tensor":
+    if scheme.strategy == Strategy.TENSOR:
         return t.reshape(1)
-    if scheme.strategy == "channel":
+    if scheme.strategy == Strategy.CHANNEL:
         return t.reshape(-1, 1)
     return t.reshape(t.shape[0], t.shape[1])
 
@@ -43,9 +81,9 @@ def ungroup(t: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def regroup(t: torch.Tensor, w_shape, scheme: QuantScheme) -> torch.Tensor:
     """A scale in its storage shape -> [out|1, n_groups, 1], to broadcast over grouped(w)."""
     out, inp = w_shape
-    if scheme.strategy == "tensor":
+    if scheme.strategy == Strategy.TENSOR:
         return t.reshape(1, 1, 1)
-    if scheme.strategy == "channel":
+    if scheme.strategy == Strategy.CHANNEL:
         return t.reshape(out, 1, 1)
     return t.reshape(out, inp // scheme.group_size, 1)
 
@@ -63,9 +101,56 @@ def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
 
 class GroupedFormat(Format):
     """Base of the int and fp8 specs. Subclasses define raw_scale, zero_point, quantize_grouped, max_value,
-    round_activation_ and storage_dtype; the arithmetic around them is shared."""
+    round_activation_, storage_dtype and their native kernel's plan (_native_kind); the arithmetic around them is
+    shared."""
 
     def accepts(self, scheme: QuantScheme) -> bool:
+        raise NotImplementedError
+
+    def scale_shape(self, scheme: QuantScheme, out_f: int, in_f: int) -> list[int]:
+        if scheme.strategy == Strategy.TENSOR:
+            return [1]
+        if scheme.strategy == Strategy.CHANNEL:
+            return [out_f, 1]
+        return [out_f, in_f // scheme.group_size if scheme.group_size else 0]
+
+    def stored_scale_shape(self, scheme: QuantScheme, out_f: int, in_f: int) -> tuple[int, ...]:
+        """The planner's scale shape: groups rounded up (a ragged last group, which qtk's targets refuse)."""
+        if scheme.strategy == Strategy.TENSOR:
+            return (1,)
+        return (out_f, -(-in_f // scheme.group_size) if scheme.strategy == Strategy.GROUP else 1)
+
+    def static_amax(self, scale: float, scheme: QuantScheme) -> float:
+        return scale * self.max_value(scheme)
+
+    def row_slab(self, scheme: QuantScheme) -> int | None:
+        """Per-channel and per-group scales from the min-max observer: each scale is a min/max over part of one row,
+        each code an elementwise function of the row and its scales."""
+        return 1 if scheme.strategy in (Strategy.CHANNEL, Strategy.GROUP) and scheme.observer == "minmax" else None
+
+    def native_plan(self, w, scheme, model_dtype, extra=None):
+        from qtk.quant.native.rounding import NativePlan
+
+        if extra or scheme.strategy not in (Strategy.CHANNEL, Strategy.GROUP):
+            return None
+        rows, cols = w.shape
+        group = cols if scheme.strategy == Strategy.CHANNEL else int(scheme.group_size)
+        if cols % group or self.scale_dtype(scheme, model_dtype) != model_dtype:
+            return None
+        kind = self._native_kind(scheme)
+        if kind is None:
+            return None
+        # compressed-tensors' guard: a zero scale becomes the model dtype's eps; a float32 model's all-zero group: 1.0
+        zero = torch.finfo(model_dtype).eps if is_half(model_dtype) else 1.0
+        return NativePlan(kind, group, 1, (rows, cols // group), self.storage_dtype(scheme), *self._native_grid(scheme),
+                          zero_scale=zero)
+
+    def _native_kind(self, scheme: QuantScheme) -> int | None:
+        """The kernel's kind for this scheme (qtk.quant.native.rounding), None where it has none."""
+        return None
+
+    def _native_grid(self, scheme: QuantScheme) -> tuple[float, float, float]:
+        """(divisor of amax for the scale, qmin, qmax) the kernel rounds with."""
         raise NotImplementedError
 
     # ---- what a subclass defines ----
@@ -169,7 +254,7 @@ class GroupedFormat(Format):
         model dtype, which the half ops give too ((q - z) has <= 9 bits, s 8 or 11: the float product is exact);
         fp8's is q·s in float32 (exact). Per-channel and per-group scales only."""
         if (w.dtype != model_dtype or self.quotient_dtype(model_dtype) != model_dtype
-                or scheme.strategy not in ("channel", "group") or w.dim() != 2):
+                or scheme.strategy not in (Strategy.CHANNEL, Strategy.GROUP) or w.dim() != 2):
             return None
         wg = grouped(w, scheme)
         s = regroup(qp.scale, w.shape, scheme).to(model_dtype)
@@ -212,10 +297,10 @@ class GroupedFormat(Format):
         """Per-token dynamic (scale = row amax / max) or static per-tensor; runs on every Linear input of a simulated
         model, so it works in place on one float32 buffer."""
         qmax = self.max_value(scheme)
-        if scheme.dynamic and not scheme.symmetric and scheme.type == "int" and scheme.strategy == "token":
+        if scheme.dynamic and not scheme.symmetric and scheme.type == "int" and scheme.strategy == Strategy.TOKEN:
             return self._fake_quant_asymmetric_tokens(x, scheme)
         if scheme.dynamic:
-            amax = x.abs().amax(-1, keepdim=True) if scheme.strategy == "token" else x.abs().amax()
+            amax = x.abs().amax(-1, keepdim=True) if scheme.strategy == Strategy.TOKEN else x.abs().amax()
             if amax.dtype != torch.float32:
                 amax = amax.float()
             # an all-zero row quantizes to zeros with any positive scale: the smallest normal float stands in for 0

@@ -1,9 +1,11 @@
 """qtk's native CPU kernels (kernels.c): compiled with the machine's C compiler on first use into a per-user cache,
 loaded with ctypes (a call releases the GIL, so the stream's reading and writing threads run beside it), and
-checked against the torch path on a small weight before they are trusted. Where there is no compiler, the build
-fails, the check disagrees, or QTK_NATIVE=0 is set, every caller uses the torch path, which gives the same codes
-and scales (its error figure sums float32 norms: it agrees to float32 rounding). Only CPU tensors take this path.
-The first use on a machine compiles (a few seconds); later processes load the cached library.
+checked against the torch path before they are trusted: the scans here (scan.self_test), the rounding by the number
+formats whose arithmetic it must equal (qtk.quant.formats.kernel). Where there is no compiler, the build fails, a
+check disagrees, or QTK_NATIVE=0 is set, every caller uses the torch path, which gives the same codes and scales
+(its error figure sums float32 norms: it agrees to float32 rounding), several times slower: a warning says so, once.
+Only CPU tensors take this path. The first use on a machine compiles (a few seconds); later processes load the
+cached library.
 
 Environment: QTK_NATIVE=0 turns the kernels off; CC picks the compiler (default cc); QTK_CACHE_DIR (default
 $XDG_CACHE_HOME/qtk or ~/.cache/qtk) holds the built library, keyed by the source, the compiler, the flags and the
@@ -31,8 +33,8 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          "-pthread"]
 if platform.machine().lower() in ("x86_64", "amd64"):
-    # on an AVX-512 CPU, 16-float vectors where GCC would pick 8 (its default): the rounding loops per 1 thread on the
-    # benchmark VM, fp8 476 -> 604 M params/s, MXFP4 445 -> 572, NVFP4 375 -> 429, int4 729 -> 829; a no-op below it
+    # on an AVX-512 CPU, 16-float vectors where GCC would pick 8 (its default): the rounding loops run faster
+    # (benchmarks/results); a no-op below AVX-512
     FLAGS.insert(2, "-mprefer-vector-width=512")
 
 
@@ -122,8 +124,9 @@ _loading = False  # library() is building or self-testing the kernels
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (the torch path) when they are turned off, cannot be built, or disagree with
-    torch on the self-test (qtk.quant.native.rounding.self_test). Inside that self-test it is None: the torch
-    reference the kernels are compared with must not reach them (nor build them again, a call at a time)."""
+    torch on the self-test (scan.self_test; the rounding is checked by qtk.quant.formats.kernel before its first use).
+    Inside that self-test it is None: the torch reference the kernels are compared with must not reach them (nor
+    build them again, a call at a time). Called once per process (cached): the warning that they are off, once."""
     global _loading
     if _loading or os.environ.get("QTK_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
         return None
@@ -136,25 +139,30 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+# what running without the kernels costs, in the one warning that says they are off
+SLOWER = ("weights round, pack and are checked in torch, several times slower (a C compiler, or CC=, turns them on; "
+          "QTK_NATIVE=0 silences this)")
+
+
 def _checked_library() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
-        log.info("native kernels off: no C compiler (%s) on PATH; using torch", cc)
+        log.warning("native kernels off: no C compiler (%s) on PATH; %s", cc, SLOWER)
         return None
     try:
         lib = _load(_build(cc))
     except (OSError, subprocess.SubprocessError, ValueError, AttributeError) as e:  # AttributeError: a symbol missing
         detail = getattr(e, "stderr", "") or e
-        log.warning("native kernels off: building %s failed (%s); using torch", SOURCE.name, str(detail).strip()[:300])
+        log.warning("native kernels off: building %s failed (%s); %s", SOURCE.name, str(detail).strip()[:300], SLOWER)
         return None
-    from qtk.quant.native import rounding, scan
+    from qtk.quant.native import scan
 
     try:
-        problem = rounding.self_test(lib) or scan.self_test(lib)
+        problem = scan.self_test(lib)
     except Exception as e:  # noqa: BLE001 (any failure of the check means: do not trust the kernels)
         problem = repr(e)
     if problem:
-        log.warning("native kernels off: they disagree with torch (%s); using torch", problem)
+        log.warning("native kernels off: they disagree with torch (%s); %s", problem, SLOWER)
         return None
     return lib
 

@@ -1,7 +1,7 @@
 """Python side of kernels.c's nibble packing and unpacking: two 4-bit codes per byte, low nibble first (FP4's packing,
 and compressed-tensors' int4 words on a little-endian host), in one pass at memory speed. Every 4-bit Linear a writer
-encodes is packed through it (the data-free stream's writing thread: 0.37 s per Llama-3-8B layer in torch's passes)
-and the convert self-check decodes each through it. None where the kernels do not apply (the caller's torch
+encodes is packed through it (in the data-free stream's writing thread, where torch's passes took longer than the
+rounding) and the convert self-check decodes each through it. None where the kernels do not apply (the caller's torch
 path)."""
 
 from __future__ import annotations

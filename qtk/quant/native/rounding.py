@@ -1,7 +1,8 @@
-"""Python side of kernels.c: round-to-nearest of a weight in one native pass per row (per-channel / per-group int
-and fp8, fp8 128x128 blocks, MXFP4, NVFP4), and the relative error's squared sums. Each function returns None
-where the kernels do not apply (turned off, not built, a CUDA tensor, a scheme or shape they do not cover, a weight
-holding NaN/Inf): the caller then takes the torch path, which gives the same codes and scales and raises the
+"""Python side of kernels.c: round-to-nearest of a weight in one native pass per row, as a plan says (the kinds
+below: per-channel / per-group int and fp8, fp8 128x128 blocks, MXFP4, NVFP4; each number format gives its plan,
+qtk.quant.formats, which checks the kernel against its torch path before trusting it), and the relative error's
+squared sums. Each function returns None where the kernels do not apply (turned off, not built, a CUDA tensor, a
+weight holding NaN/Inf): the caller then takes the torch path, which gives the same codes and scales and raises the
 errors."""
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ class RowSums:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class NativePlan:
+    """How the kernel rounds a weight [rows, cols] (a format's native_plan, qtk.quant.formats): its kind, columns per
+    scale (group), rows per scale (group_rows: a tile's height for FP8 blocks), the shape of the scales, the codes'
+    dtype, and the grid: the divisor of amax for a scale, the codes' range, the scale an all-zero group gets, NVFP4's
+    global scale."""
+
     kind: int
     group: int
     group_rows: int
@@ -38,64 +44,27 @@ class _Plan:
     qmin: float = 0.0
     qmax: float = 0.0
     zero_scale: float = 0.0
+    global_scale: float = 0.0
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _plan(w: torch.Tensor, scheme, model_dtype: torch.dtype, extra) -> _Plan | None:
-    """How the kernel rounds `w` under `scheme`, or None where it does not (the torch path's result is the
-    reference: qtk.quant.formats.*)."""
-    from qtk.quant.formats import format_for
-    from qtk.quant.formats.fp8 import FP8Format
-    from qtk.quant.formats.fp8_block import FP8BlockFormat
-    from qtk.quant.formats.integer import HALF, IntFormat
-    from qtk.quant.formats.mx import MXFormat
-    from qtk.quant.formats.nvfp4 import GLOBAL, NVFP4Format
-
-    if (w.device.type != "cpu" or w.dim() != 2 or w.dtype not in _DT or model_dtype not in _DT
-            or (w.dtype != model_dtype and w.dtype != torch.float32) or scheme.observer != "minmax"
-            or 0 in w.shape):
-        return None
-    rows, cols = w.shape
-    fmt = format_for(scheme)
-    eps = torch.finfo(model_dtype).eps
-    if type(fmt) is NVFP4Format:
-        if extra is None or set(extra) != {GLOBAL} or cols % scheme.group_size:
-            return None
-        return _Plan(NVFP4, scheme.group_size, 1, (rows, cols // scheme.group_size), torch.uint8)
-    if extra:
-        return None
-    if type(fmt) is MXFormat and scheme.num_bits == 4 and not cols % scheme.group_size:
-        return _Plan(MXFP4, scheme.group_size, 1, (rows, cols // scheme.group_size), torch.uint8)
-    if type(fmt) is FP8BlockFormat and scheme.strategy == "block":
-        bm, bn = (int(x) for x in scheme.block_structure)
-        return _Plan(BLOCK, bn, bm, (-(-rows // bm), -(-cols // bn)), torch.float8_e4m3fn, 448.0, zero_scale=eps)
-    if type(fmt) not in (FP8Format, IntFormat) or scheme.strategy not in ("channel", "group"):
-        return None
-    group = cols if scheme.strategy == "channel" else int(scheme.group_size)
-    if cols % group or fmt.scale_dtype(scheme, model_dtype) != model_dtype:
-        return None
-    zero = eps if model_dtype in HALF else 1.0  # compressed-tensors' guard; a float32 model's all-zero group: 1.0
-    shape = (rows, cols // group)
-    if type(fmt) is FP8Format:
-        return _Plan(FP8, group, 1, shape, torch.float8_e4m3fn, fmt.max_value(scheme), zero_scale=zero)
-    if not scheme.symmetric:
-        return None
-    return _Plan(INT, group, 1, shape, torch.int8, (scheme.qmax - scheme.qmin) / 2, float(scheme.qmin),
-                 float(scheme.qmax), zero)
+def applies(w: torch.Tensor, model_dtype: torch.dtype) -> bool:
+    """Whether the kernel can round w [rows, cols] of a model stored in model_dtype at all: a CPU matrix with rows and
+    columns, in the model dtype or float32, of a dtype the kernel reads."""
+    return (w.device.type == "cpu" and w.dim() == 2 and w.dtype in _DT and model_dtype in _DT
+            and (w.dtype == model_dtype or w.dtype == torch.float32) and 0 not in w.shape)
 
 
-def native_rtn(w: torch.Tensor, scheme, model_dtype: torch.dtype, extra: dict | None = None, want_error: bool = True,
-               threads: int | None = None, lib=None):
-    """(values, scale, RowSums | None) of the torch path's QTensor for weight w [out, in] (the model dtype or float32,
-    on the CPU) under `scheme` and a format's tensor-wide part `extra` (NVFP4's global scale: given, the fusion
-    group's); None where the kernel does not apply. values and scale have the torch path's dtypes and shapes (scale
-    float32). lib: the kernels (default: library())."""
+def rtn(w: torch.Tensor, plan: NativePlan, model_dtype: torch.dtype, want_error: bool = True,
+        threads: int | None = None, lib=None):
+    """(values, scale, RowSums | None) of weight w [out, in] rounded by the kernel as `plan` says (applies(w) holds);
+    None where the weight or a scale holds NaN/Inf, or memory ran out (the torch path then raises the clear error).
+    values and scale have the torch path's dtypes and shapes (scale float32). lib: the kernels (default: library())."""
     lib = lib or library()
-    plan = None if lib is None else _plan(w, scheme, model_dtype, extra)
-    if plan is None:
+    if lib is None:
         return None
     w = w.contiguous()
     rows, cols = w.shape
@@ -104,10 +73,9 @@ def native_rtn(w: torch.Tensor, scheme, model_dtype: torch.dtype, extra: dict | 
     row_e = torch.empty(rows, dtype=torch.float64) if want_error else None
     row_w = torch.empty(rows, dtype=torch.float64) if want_error else None
     hi, bad = torch.zeros(64, dtype=torch.float32), torch.zeros(64, dtype=torch.int32)
-    gs = float(extra["global_scale"].float().reshape(())) if plan.kind == NVFP4 else 0.0
     args = RTNArgs(_ptr(w), rows, cols, plan.group, plan.group_rows, _DT[w.dtype], _DT[model_dtype], plan.kind,
-                   int(want_error), plan.divisor, plan.qmin, plan.qmax, plan.zero_scale, gs, _ptr(values), _ptr(scale),
-                   _ptr(row_e), _ptr(row_w), _ptr(hi), _ptr(bad))
+                   int(want_error), plan.divisor, plan.qmin, plan.qmax, plan.zero_scale, plan.global_scale, _ptr(values),
+                   _ptr(scale), _ptr(row_e), _ptr(row_w), _ptr(hi), _ptr(bad))
     used = lib.qtk_rtn(ctypes.byref(args), thread_count(threads))
     if used < 1 or bool(bad[:used].any()):
         return None  # NaN/Inf in the weight or its scale (or out of memory): the torch path raises the clear error
@@ -135,43 +103,3 @@ def block_sums(row: torch.Tensor, step: int) -> list[float]:
     out = torch.empty(-(-rows // step), dtype=torch.float64)
     lib.qtk_block_sums(_ptr(row), rows, step, _ptr(out))
     return out.tolist()
-
-
-def reference(w: torch.Tensor, scheme, model_dtype: torch.dtype):
-    """The torch path's QTensor (what the kernel must equal), with NVFP4's global scale from w itself."""
-    from qtk.quant.qtensor import QTensor
-
-    return QTensor.quantize(w.float(), scheme, model_dtype)
-
-
-def self_test(lib) -> str | None:
-    """None when the kernels give the torch path's codes and scales on a few small weights (zeros, subnormals,
-    quotients across each element format's range, every kind and dtype); else what differed."""
-    from qtk.quant.scheme import QuantScheme
-
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(40, 256, generator=g) * 0.05
-    w[1] = 0.0
-    w[2] *= 1e-38  # subnormal scales and quotients
-    w[3, :128] = torch.arange(128) / 127.0 * 448.0  # quotients across the whole fp8 range
-    w[4] = torch.linspace(-3e-3, 3e-3, 256)  # fp8 subnormal codes once divided by the row's scale
-    w[5] = torch.linspace(-6.5, 6.5, 256)  # every fp4 threshold
-    cases = [(QuantScheme(num_bits=8, type="float", strategy="channel"), d) for d in _DT] + [
-        (QuantScheme(num_bits=8, type="int", strategy="channel"), torch.bfloat16),
-        (QuantScheme(num_bits=4, type="int", strategy="group", group_size=32), torch.float16),
-        (QuantScheme(num_bits=4, type="int", strategy="group", group_size=64), torch.float32),
-        (QuantScheme(num_bits=8, type="float", strategy="block", block_structure=(16, 96)), torch.bfloat16),
-        (QuantScheme(num_bits=4, type="float", strategy="group", group_size=32, scale_dtype="e8m0"), torch.bfloat16),
-        (QuantScheme(num_bits=4, type="float", strategy="tensor_group", group_size=16), torch.bfloat16)]
-    for scheme, dtype in cases:
-        x = w.to(dtype)
-        ref = reference(x, scheme, dtype)
-        for given in (x, x.float()):
-            got = native_rtn(given, scheme, dtype, dict(ref.extra) or None, want_error=False, lib=lib)
-            if got is None:
-                return f"kernel refused {scheme.type}{scheme.num_bits} {scheme.strategy} {dtype}"
-            values, scale, _ = got
-            if not (values.dtype == ref.values.dtype and torch.equal(values.view(torch.uint8), ref.values.view(torch.uint8))
-                    and torch.equal(scale, ref.scale.float().reshape(scale.shape))):
-                return f"codes or scales differ for {scheme.type}{scheme.num_bits} {scheme.strategy} {dtype}"
-    return None
