@@ -146,6 +146,9 @@ def llmc_config(doc: dict, observer: str = "static_minmax") -> dict:
             mods.append({"type": "GPTQModifier", "kwargs": {**quant, "block_size": p.get("block_size", 128),
                                                            "dampening_frac": p.get("damp_percent", 0.01)}})
             calibrate = True
+        elif name == "rotate":  # llm-compressor's offline R1/R2 with random Hadamards (spelled; not in RECIPES yet)
+            mods.append({"type": "SpinQuantModifier", "kwargs": {
+                "rotations": ["R1", "R2"] if p.get("r2", True) else ["R1"], "transform_type": "random-hadamard"}})
         elif name == "rtn":
             mods.append({"type": "QuantizationModifier", "kwargs": quant})
     return {"modifiers": mods, "calibrate": calibrate}

@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import click  # noqa: E402
 
 from qtk import __version__
-from qtk.errors import CheckFailed, QtkError, UsageError
+from qtk.errors import CheckFailed, QtkError, UsageError, printable
 from qtk.export import TARGETS
 
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -64,15 +64,19 @@ class QtkGroup(click.Group):
             raise
         except click.UsageError as e:  # a bad option value: one line like qtk's own errors, not click's usage block
             where = e.ctx.command_path if e.ctx else ctx.command_path
-            click.echo(f"error: {e.format_message()} — see '{where} --help'", err=True)
+            click.echo(printable(f"error: {e.format_message()} — see '{where} --help'"), err=True)
             sys.exit(e.exit_code)
         except QtkError as e:
             if _reports(e):
-                click.echo(f"error: {e}", err=True)
+                click.echo(e.line(), err=True)
+            interrupts.settle_background()
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
             if _reports(None):
                 click.echo("interrupted: no output was left behind", err=True)
+            if not interrupts.settle_background():  # a stalled read: leave without the shutdown that would abort
+                sys.stderr.flush()
+                os._exit(130)
             sys.exit(130)
 
 
@@ -132,16 +136,19 @@ def main():
               help="Where layers, calibration activations and solvers live: auto (a GPU when one is visible, else the CPU), cpu, cuda, cuda:N. Under torchrun each process takes its LOCAL_RANK's GPU.")
 @click.option("--max-device-memory", default=None,
               help="Most calibration activations kept on the GPU (e.g. 20GB); the rest wait in pinned host memory [default: free memory less one layer's working set].")
-def convert(model, recipe, out, targets, calib, split, text_field, num_samples, seq_len, seed, overwrite, tp, pp,
-            max_shard_size, batch_size, allow_pickle, trust_remote_code, no_hash, gate, resume, threads, device,
-            max_device_memory):
+@click.option("--verify-engine", type=click.Choice(["vllm"]), default=None,
+              help="Before publishing, run the vllm output in the installed vLLM (CPU or GPU build) on a few token windows and compare with qtk's simulation; exit 1 if they disagree (docs/engine.md).")
+def convert(model, recipe, out, gate, threads, max_shard_size, no_hash, max_device_memory, **options):
     """Quantize MODEL (a local Hugging Face directory) with a recipe into engine-ready checkpoints."""
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     from qtk import api
+    from qtk.convert import ConvertOptions
     from qtk.progress import Reporter, layer_detail
+
+    targets = options["targets"]
 
     quiet = _rank() != 0  # under torchrun rank 0 reports progress and results for every process
     with Reporter("qtk convert", unit="layer", stream=open(os.devnull, "w") if quiet else None) as rep:
@@ -151,12 +158,11 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
         def on_layer(done, total, layer):
             rep.step(done, total, layer_detail(layer, short=rep.interactive), replayed=layer.replayed)
 
-        res = api.convert(model, recipe, out, targets=targets, calib=calib, text_field=text_field, split=split,
-                          num_samples=num_samples, seq_len=seq_len, seed=seed, overwrite=overwrite, tp=tp, pp=pp,
-                          max_shard_bytes=_size(max_shard_size), batch_size=batch_size, allow_pickle=allow_pickle,
-                          trust_remote_code=trust_remote_code, hash_source=not no_hash, resume=resume,
-                          device=device, max_device_memory=None if max_device_memory is None else _size(max_device_memory, "--max-device-memory"),
-                          on_stage=rep.stage, on_layer=on_layer)
+        opts = ConvertOptions(**options, max_shard_bytes=_size(max_shard_size), hash_source=not no_hash,
+                              max_device_memory=None if max_device_memory is None
+                              else _size(max_device_memory, "--max-device-memory"),
+                              also_writes=api.gate_reports(targets) if gate else ())
+        res = api.convert(model, recipe, out, opts, on_stage=rep.stage, on_layer=on_layer)
     if quiet:
         return
     for m in res.messages:
@@ -173,7 +179,8 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
     from qtk.eval.report import summary
 
     with gate_progress() as progress:
-        results = api.gate_outputs(res.outputs, model, gate, out, threads=threads, trust_remote_code=trust_remote_code,
+        results = api.gate_outputs(res.outputs, model, gate, out, threads=threads,
+                                   trust_remote_code=options["trust_remote_code"],
                                    on_output=lambda t, path: progress["progress"](f"gating {t} with {gate}"), **progress)
     for result in results.values():
         click.echo(summary(result))
@@ -184,7 +191,7 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
         sys.exit(1)
 
 
-# ---- qtk tune (issue 15)
+# ---- qtk tune
 
 
 @main.command()
@@ -212,8 +219,7 @@ def convert(model, recipe, out, targets, calib, split, text_field, num_samples, 
 @click.option("--strict", is_flag=True, help="Gate on point estimates, as `qtk eval --strict`.")
 @click.option("--overwrite", is_flag=True, help="Write into a non-empty OUT.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [torch's default].")
-def tune(model, tasks_file, out, candidates, targets, gpu, context, concurrency, tp, max_weight_bytes, max_rounds, calib,
-         num_samples, seq_len, seed, limit, tasks, strict, overwrite, threads):
+def tune(model, tasks_file, out, candidates, max_weight_bytes, tasks, threads, **options):
     """The cheapest per-module mix of CANDIDATES that fits a budget and passes an accuracy gate.
 
     One calibration pass estimates, for every fusion group (q/k/v, o, gate/up, down; MoE experts together) and
@@ -239,12 +245,13 @@ def tune(model, tasks_file, out, candidates, targets, gpu, context, concurrency,
             max_weight_bytes = _size(max_weight_bytes)
         except click.BadParameter:
             raise UsageError(f"--max-weight-bytes {max_weight_bytes!r} is not a size", "e.g. --max-weight-bytes 40GB") from None
+    from qtk.tune.job import TuneOptions
+
     names = [c.strip() for c in candidates.split(",")]
     with Reporter("qtk tune", unit="round") as rep:
-        res = api.tune(model, tasks_file, out, candidates=names, targets=targets, gpu=gpu, context=context,
-                       concurrency=concurrency, tp=tp, max_weight_bytes=max_weight_bytes, max_rounds=max_rounds,
-                       calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed, limit=limit,
-                       tasks=list(tasks) or None, strict=strict, overwrite=overwrite, threads=threads, progress=rep.stage)
+        opts = TuneOptions(candidates=names, max_weight_bytes=max_weight_bytes, tasks=list(tasks) or None,
+                           threads=threads, **options)
+        res = api.tune(model, tasks_file, out, opts, progress=rep.stage)
     for n in res.notes:
         click.echo(f"note: {n}", err=True)
     for t in res.trials:
@@ -278,13 +285,21 @@ def _next_steps(outputs: dict, model: str) -> None:
 @click.option("--modules", "show_modules", is_flag=True, help="List every quantized module.")
 @click.option("--source", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The model it was converted from, to compare every written Linear with [default: the path qtk.json records].")
-def inspect(checkpoint, as_json, show_modules, source):
+@click.option("--engine", type=click.Choice(["vllm"]), default=None,
+              help="Also run the checkpoint in the installed vLLM (CPU or GPU build) on a few token windows and compare with qtk's simulation (docs/engine.md).")
+def inspect(checkpoint, as_json, show_modules, source, engine):
     """Summarise a written checkpoint and check it from its bytes. Exit 1 when a check fails."""
     import json
 
     from qtk import api
 
-    rep = api.inspect(checkpoint, source=source)
+    if engine is not None:
+        from qtk.eval.engines import vllm_available
+
+        ok, why = vllm_available()
+        if not ok:
+            raise UsageError(f"--engine vllm: {why}", "install vLLM (make engine-env) or leave --engine out")
+    rep = api.inspect(checkpoint, source=source, engine=engine)
     if as_json:
         click.echo(json.dumps({"path": str(rep.path), "summary": rep.summary, "ok": rep.ok,
                                "checks": [c.__dict__ for c in rep.checks], "modules": rep.modules}, indent=2))
@@ -309,8 +324,8 @@ def inspect(checkpoint, as_json, show_modules, source):
             con.print(f"{tag} {escape(c.name)}" + (f"  ({escape(c.detail)})" if c.detail else ""), highlight=False)
     if not rep.ok and not as_json:  # the report above has every check; one line on stderr says what failed first
         bad = [c for c in rep.checks if not c.ok]
-        click.echo(f"error: {bad[0].name}: {bad[0].detail} — {len(bad)} of {len(rep.checks)} checks failed "
-                   f"(report above); the checkpoint is not what its config and qtk.json say", err=True)
+        click.echo(printable(f"error: {bad[0].name}: {bad[0].detail} — {len(bad)} of {len(rep.checks)} checks failed "
+                             f"(report above); the checkpoint is not what its config and qtk.json say"), err=True)
         sys.exit(1)
     if not rep.ok:
         sys.exit(1)

@@ -86,7 +86,8 @@ def test_each_builtin_recipe_has_its_llmcompressor_spelling(bench, name):
     assert quant["ignore"] == ["lm_head"]
     steps = [next(iter(s)) if isinstance(s, dict) else s for s in doc["algorithm"]]
     expected = {"smoothquant": ["SmoothQuantModifier"], "awq": ["AWQModifier", "QuantizationModifier"],
-                "gptq": ["GPTQModifier"], "rtn": ["QuantizationModifier"]}
+                "gptq": ["GPTQModifier"], "rtn": ["QuantizationModifier"],
+                "rotate": ["SpinQuantModifier"]}
     assert types == [t for s in steps for t in expected[s]]
     act = doc.get("activations")
     if act and act.get("dynamic") is not True and name not in bench.LLMC_PRESETS:

@@ -205,8 +205,9 @@ def _check_same_model(ckpt, base_cfg: dict, base: Path, cand: Path) -> None:
                              "compare a checkpoint with the model it was converted from")
 
 
-def engine_settings(engine: str, device: str | None, dtype: str, batch_size: int, topk: int) -> dict:
-    """What makes baseline numbers differ between runs: part of the cache key."""
+def engine_settings(engine: str, device: str | None, dtype: str, batch_size: int, topk: int, proc=None) -> dict:
+    """What makes baseline numbers differ between runs: part of the cache key. proc: the vLLM worker (its version
+    and device, and the CPU's instruction sets, which pick vLLM's CPU kernels)."""
     import importlib.metadata as md
 
     from qtk import __version__
@@ -219,29 +220,94 @@ def engine_settings(engine: str, device: str | None, dtype: str, batch_size: int
              "threads": torch.get_num_threads() if dev == "cpu" else None,  # CPU kernels may block sums by thread count
              "torch": torch.__version__.split("+")[0], "transformers": md.version("transformers")}
     else:
-        import vllm
+        from qtk.eval.vllm_process import cpu_flags
 
-        s = {"engine": "vllm", "vllm": getattr(vllm, "__version__", None)}
+        isa = sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"))
+        s = {"engine": "vllm", "vllm": proc.version, "device": proc.device, **({"isa": isa} if proc.device == "cpu" else {})}
     return {**s, "kl_topk": topk, "qtk": __version__}
 
 
-def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: str | Path, *, engine: str = "hf",
-             limit: int | None = None, seed: int | None = None, strict: bool = False, strict_heldout: bool = False,
-             cache_dir: str | Path | None = None, use_cache: bool = True, batch_size: int = 16, device: str | None = None,
-             dtype: str = "float32", bootstrap: int = 2000, tasks: list[str] | None = None,
-             json_path: str | Path | None = None, junit: str | Path | None = None, markdown: str | Path | None = None,
-             plot: str | Path | None = None, progress: Callable[[str], None] | None = None,
-             threads: int | None = None, on_task: Callable[[int, int, str], None] | None = None,
-             trust_remote_code: bool = False) -> GateResult:
+@dataclass(frozen=True)
+class GateOptions:
+    """How a gate runs and what it writes (qtk eval's options; run_gate takes them whole or as keywords).
+
+    engine: hf (transformers with the engine's quantization simulated) or vllm. limit: examples per task (default the
+    task file's); seed: few-shot selection and the bootstrap (default the task file's). strict: fail on the point
+    estimate; strict_heldout: fail when evaluation examples occur in the calibration data. cache_dir / use_cache:
+    the baseline result cache. batch_size, device, dtype: the hf engine's. bootstrap: resamples. tasks: the task
+    file's tasks to run (default all). json_path / junit / markdown / plot: the reports to write, the user's to name;
+    report_root: the output directory they lie in when qtk names them itself (convert --gate, tune), where they are
+    written without following a link (qtk.io.outdir.write_file). threads: torch's CPU threads for the run. A model
+    whose config or tokenizer names its own code (auto_map) is refused unless trust_remote_code."""
+
+    engine: str = "hf"
+    limit: int | None = None
+    seed: int | None = None
+    strict: bool = False
+    strict_heldout: bool = False
+    cache_dir: str | Path | None = None
+    use_cache: bool = True
+    batch_size: int = 16
+    device: str | None = None
+    dtype: str = "float32"
+    bootstrap: int = 2000
+    tasks: list[str] | None = None
+    json_path: str | Path | None = None
+    junit: str | Path | None = None
+    markdown: str | Path | None = None
+    plot: str | Path | None = None
+    threads: int | None = None
+    trust_remote_code: bool = False
+    report_root: str | Path | None = None
+
+
+def run_gate(candidate_dir: str | Path, baseline_dir: str | Path, tasks_file: str | Path,
+             options: GateOptions | None = None, *, progress: Callable[[str], None] | None = None,
+             on_task: Callable[[int, int, str], None] | None = None, **fields) -> GateResult:
     """Evaluate the written checkpoint `candidate_dir` against the original model `baseline_dir` on the tasks of
     `tasks_file` and judge it. Returns the GateResult (its .passed / .exit_code is the verdict) after writing the
-    requested reports; raises UsageError for bad input. `threads` sets torch's CPU threads for the run (on a
-    shared or small machine, 1 is often fastest for small models). progress(text) names each stage;
-    on_task(done, total, what) follows each task run (a cached baseline is not run). A model whose config or
-    tokenizer names its own code (auto_map) is refused unless `trust_remote_code`."""
-    opts = dict(locals())
-    with _torch_threads(opts.pop("threads")):
-        return _run_gate(**opts)
+    requested reports; raises UsageError for bad input. options: a GateOptions, or its fields as keywords (engine=,
+    limit=, threads=, json_path=, ...). progress(text) names each stage; on_task(done, total, what) follows each
+    task run (a cached baseline is not run)."""
+    opts = options if options is not None else GateOptions(**fields)
+    if options is not None and fields:
+        raise TypeError(f"run_gate: give options or keywords, not both ({', '.join(fields)})")
+    with _torch_threads(opts.threads), Engines(opts.engine, progress) as engines:
+        return _Gate(Path(candidate_dir), Path(baseline_dir), tasks_file, opts, engines, progress, on_task).run()
+
+
+class Engines:
+    """The engines a gate runs on. For vLLM, one worker process serves the baseline and the candidate (vLLM is
+    imported once), started when first needed and ended with the gate."""
+
+    def __init__(self, engine: str, progress: Callable[[str], None] | None = None):
+        self.engine = engine
+        self.say = progress or (lambda s: None)
+        self._proc = None
+        self.start_seconds = 0.0
+
+    def proc(self):
+        if self._proc is None:
+            from qtk.eval.vllm_process import VLLMProcess
+
+            self.say("starting vLLM")
+            t0 = time.perf_counter()
+            self._proc = VLLMProcess()
+            self.start_seconds = time.perf_counter() - t0
+        return self._proc
+
+    def settings(self, device, dtype, batch_size, topk) -> dict:
+        return engine_settings(self.engine, device, dtype, batch_size, topk, self.proc() if self.engine == "vllm" else None)
+
+    def make(self, path: Path, ckpt, kw: dict):
+        return _make_engine(self.engine, path, ckpt, kw, self.proc() if self.engine == "vllm" else None)
+
+    def __enter__(self) -> "Engines":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.close()
 
 
 @contextmanager
@@ -261,178 +327,242 @@ def _torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def _run_gate(candidate_dir, baseline_dir, tasks_file, *, engine, limit, seed, strict, strict_heldout, cache_dir, use_cache,
-              batch_size, device, dtype, bootstrap, tasks, json_path, junit, markdown, plot, progress, on_task,
-              trust_remote_code) -> GateResult:
-    from qtk.eval import contamination as contam
-    from qtk.eval.cache import BaselineCache, default_cache_dir, entry_key, file_digests, model_hash
-    from qtk.eval.engines import ENGINES
-    from qtk.eval.gate import agreement as agreement_stats
-    from qtk.eval.gate import judge_task
-    from qtk.eval.tasks import build_requests, load_task_file, prepare
-    from qtk.export import open_checkpoint
+class _Gate:
+    """One gate run, in the order of the module's flow: refuse bad options and inputs (_check_options, _open), the
+    tasks as token requests (_requests), the contamination check and the baseline's hash (_provenance), the baseline
+    (from the cache or run) and the candidate (_run_baseline, _run_candidate), the verdicts (_judge), the reports."""
 
-    say = progress or (lambda s: None)
-    timings: dict[str, float] = {}
-    t_start = time.perf_counter()
-    if engine not in ENGINES:
-        raise UsageError(f"unknown engine '{engine}'", f"choose one of {', '.join(ENGINES)}")
-    if batch_size < 1 or bootstrap < 0 or (limit is not None and limit < 1):
-        raise UsageError(f"--batch-size must be >= 1, --bootstrap >= 0 and --limit >= 1 (got {batch_size}, {bootstrap}, {limit})",
-                         "use e.g. --batch-size 16 --bootstrap 2000")
-    if engine == "vllm":
-        from qtk.eval.engines import vllm_available
+    def __init__(self, cand: Path, base: Path, tasks_file, opts: GateOptions, engines: Engines,
+                 progress: Callable[[str], None] | None, on_task: Callable[[int, int, str], None] | None):
+        self.cand, self.base, self.tasks_file, self.opts, self.engines = cand, base, tasks_file, opts, engines
+        self.say = progress or (lambda s: None)
+        self.on_task = on_task
+        self.timings: dict[str, float] = {}
+        self.notes: list[str] = []
+        self.runs = {"done": 0, "total": 0}  # baseline and candidate of every task, less cached baselines
 
-        ok, why = vllm_available()
-        if not ok:
-            raise UsageError(f"the vllm engine cannot run here: {why}", "use --engine hf (the default) to simulate the engine")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise UsageError(f"unknown dtype '{dtype}'", "choose float32, bfloat16 or float16")
-    tf = load_task_file(tasks_file)
-    if tasks:
-        tf = tf.select(tasks)
-    cand, base = Path(candidate_dir), Path(baseline_dir)
-    _check_candidate_dir(cand)
-    base_cfg = _check_baseline_dir(base)
-    _check_remote_code(base, "baseline", trust_remote_code)
-    _check_remote_code(cand, "candidate", trust_remote_code)
-    ckpt = open_checkpoint(cand)
-    _check_same_model(ckpt, base_cfg, base, cand)
-    notes: list[str] = []
-    say("checking the checkpoint")
-    measured = validate_candidate(ckpt, base if plot else None, notes)
+    def run(self) -> GateResult:
+        t_start = time.perf_counter()
+        self._check_options()
+        tf, ckpt, base_cfg, measured = self._open()
+        prepared, requests, cand_tok = self._requests(tf, ckpt)
+        cont, mhash, digests_root = self._provenance(ckpt, prepared)
+        vocab = int(base_cfg.get("vocab_size") or ckpt.hf_config.get("vocab_size"))
+        topk = min(tf.agreement.kl_topk, vocab)
+        o = self.opts
+        settings = self.engines.settings(o.device, o.dtype, o.batch_size, topk)
+        kw = dict(device=o.device, batch_size=o.batch_size, dtype=o.dtype, trust_remote_code=o.trust_remote_code)
+        self.runs["total"] = 2 * len(prepared)
+        base_runs, cached = self._run_baseline(prepared, requests, mhash, settings, topk, digests_root, kw)
+        cand_runs, cand_engine = self._run_candidate(ckpt, prepared, requests, base_runs, cand_tok, kw)
+        if o.engine == "vllm":
+            self.timings["engine_start"] = self.engines.start_seconds
+            settings = {**settings, "kv_cache_dtype": cand_engine.kv_cache_dtype, "kernels": cand_engine.schemes}
+        verdicts, agree, failures = self._judge(tf, prepared, base_runs, cand_runs, cached, cont)
+        self.timings["total"] = time.perf_counter() - t_start
 
-    say("loading tasks")
-    t0 = time.perf_counter()
-    from qtk.eval.engines import has_tokenizer, load_tokenizer, same_tokenizer_files
+        manifest = ckpt.manifest
+        recipe = ((manifest or {}).get("recipe") or {})
+        result = GateResult(
+            passed=not failures, mode="strict" if o.strict else "significant",
+            candidate={"path": str(self.cand), "format": ckpt.format, "recipe": recipe.get("name"),
+                       "summary": recipe.get("summary"), "weights": ckpt.describe_weights(),
+                       "activations": ckpt.describe_activations(), "kv_cache": ckpt.kv_cache},
+            baseline={"path": str(self.base), "model_hash": mhash},
+            engine={**settings, "cache_dir": str(digests_root) if o.use_cache else None, "bootstrap": o.bootstrap,
+                    "baseline_cached": sorted(cached)},
+            tasks=verdicts, agreement=agree, contamination=cont, failures=failures, notes=self.notes,
+            timings={k: round(v, 3) for k, v in self.timings.items()}, manifest=manifest, measured=measured)
+        write_reports(result, json_path=o.json_path, junit=o.junit, markdown=o.markdown, plot=o.plot, root=o.report_root)
+        return result
 
-    prepared = [prepare(t, limit=limit, seed=seed) for t in tf.tasks]
-    tokenizer = load_tokenizer(base, trust_remote_code=trust_remote_code)
-    requests = [build_requests(p, tokenizer) for p in prepared]
-    cand_tok = tokenizer
-    if not has_tokenizer(cand):
-        notes.append("the checkpoint has no tokenizer files: used the baseline's")
-    elif not same_tokenizer_files(cand, base):
-        cand_tok = load_tokenizer(cand, trust_remote_code=trust_remote_code)
-        for p, r in zip(prepared, requests):
-            if build_requests(p, cand_tok).digest() != r.digest():
-                raise UsageError(f"the candidate's tokenizer tokenizes task '{p.spec.name}' differently from the baseline's",
-                                 "the checkpoint should carry the baseline's tokenizer files; reconvert or copy them")
-    timings["tasks"] = time.perf_counter() - t0
+    def _check_options(self) -> None:
+        """The options' values, before any input is read."""
+        from qtk.eval.engines import ENGINES
 
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    say("contamination check")
-    t0 = time.perf_counter()
-    manifest = ckpt.manifest
-    cont = contam.check(manifest, prepared, cache_dir=root if use_cache else None)
-    timings["contamination"] = time.perf_counter() - t0
+        o = self.opts
+        if o.engine not in ENGINES:
+            raise UsageError(f"unknown engine '{o.engine}'", f"choose one of {', '.join(ENGINES)}")
+        if o.device is not None:
+            from qtk.pipeline.device import parse_device
 
-    say("hashing baseline")
-    t0 = time.perf_counter()
-    digests = file_digests(base, root if use_cache else None)
-    mhash = model_hash(digests)
-    src = ((manifest or {}).get("source") or {}).get("files_sha256") or {}
-    differing = [n for n, h in src.items() if n in digests and digests[n] != h]
-    if differing:
-        notes.append(f"the candidate was converted from a model whose {', '.join(differing)} differ from the baseline's")
-    timings["hash"] = time.perf_counter() - t0
+            parse_device(o.device)  # convert's check: a device that is none, or a GPU where none is visible
+        if o.batch_size < 1 or o.bootstrap < 0 or (o.limit is not None and o.limit < 1):
+            raise UsageError(f"--batch-size must be >= 1, --bootstrap >= 0 and --limit >= 1 (got {o.batch_size}, "
+                             f"{o.bootstrap}, {o.limit})", "use e.g. --batch-size 16 --bootstrap 2000")
+        if o.engine == "vllm":
+            from qtk.eval.engines import vllm_available
 
-    vocab = int(base_cfg.get("vocab_size") or ckpt.hf_config.get("vocab_size"))
-    topk = min(tf.agreement.kl_topk, vocab)
-    settings = engine_settings(engine, device, dtype, batch_size, topk)
-    cache = BaselineCache(root)
-    kw = dict(device=device, batch_size=batch_size, dtype=dtype, trust_remote_code=trust_remote_code)
+            ok, why = vllm_available()
+            if not ok:
+                raise UsageError(f"the vllm engine cannot run here: {why}", "use --engine hf (the default) to simulate the engine")
+            if o.device not in (None, "auto"):
+                raise UsageError(f"--device {o.device} is the hf engine's: vLLM runs where its build runs (CPU or GPU)",
+                                 "leave --device out with --engine vllm")
+        if o.dtype not in ("float32", "bfloat16", "float16"):
+            raise UsageError(f"unknown dtype '{o.dtype}'", "choose float32, bfloat16 or float16")
 
-    runs = {"done": 0, "total": 2 * len(prepared)}  # baseline and candidate of every task, less cached baselines
+    def _open(self):
+        """The task file, both directories checked (the candidate one checkpoint, the baseline unquantized, neither
+        naming code unless trusted, the same model), and the checkpoint judged by qtk inspect's checks."""
+        from qtk.eval.tasks import load_task_file
+        from qtk.export import open_checkpoint
 
-    def ran(what: str, seconds: float) -> None:
-        runs["done"] += 1
-        if on_task:
-            on_task(runs["done"], runs["total"], f"{what} ({seconds:.1f}s)")
+        tf = load_task_file(self.tasks_file)
+        if self.opts.tasks:
+            tf = tf.select(self.opts.tasks)
+        _check_candidate_dir(self.cand)
+        base_cfg = _check_baseline_dir(self.base)
+        _check_remote_code(self.base, "baseline", self.opts.trust_remote_code)
+        _check_remote_code(self.cand, "candidate", self.opts.trust_remote_code)
+        ckpt = open_checkpoint(self.cand)
+        _check_same_model(ckpt, base_cfg, self.base, self.cand)
+        self.say("checking the checkpoint")
+        measured = validate_candidate(ckpt, self.base if self.opts.plot else None, self.notes)
+        return tf, ckpt, base_cfg, measured
 
-    say("baseline")
-    t0 = time.perf_counter()
-    base_runs, cached = {}, set()
-    base_engine = None
-    try:
-        for p, r in zip(prepared, requests):
-            key = entry_key(mhash, p.spec.identity(), r.digest(), settings)
-            hit = cache.load(key) if use_cache else None
-            if hit is not None:
-                base_runs[p.spec.name] = TaskRun.from_cache(*hit)
-                cached.add(p.spec.name)
-                runs["total"] -= 1
-                continue
-            if base_engine is None:
-                base_engine = _make_engine(engine, base, None, kw)
-            say(f"baseline: {p.spec.name}")
-            run = evaluate_task(base_engine, p, r, topk=topk if p.spec.type == "perplexity" else 0)
-            base_runs[p.spec.name] = run
-            ran(f"baseline {p.spec.name}", run.seconds)
-            if use_cache:
-                cache.store(key, *run.to_cache())
-    finally:
-        if base_engine is not None:
-            base_engine.close()
-    timings["baseline"] = time.perf_counter() - t0
+    def _requests(self, tf, ckpt):
+        """Examples, few-shot prefixes and token requests from the baseline's tokenizer; the candidate's must
+        tokenize every task identically."""
+        from qtk.eval.engines import has_tokenizer, load_tokenizer, same_tokenizer_files
+        from qtk.eval.tasks import build_requests, prepare
 
-    say("candidate")
-    t0 = time.perf_counter()
-    cand_engine = _make_engine(engine, cand, ckpt, {**kw, "tokenizer": cand_tok})
-    cand_runs = {}
-    try:
-        for p, r in zip(prepared, requests):
-            say(f"candidate: {p.spec.name}")
-            ref = base_runs[p.spec.name].rows if p.spec.type == "perplexity" else None
-            cand_runs[p.spec.name] = evaluate_task(cand_engine, p, r, reference=ref)
-            ran(f"candidate {p.spec.name}", cand_runs[p.spec.name].seconds)
-    finally:
-        cand_engine.close()
-    timings["candidate"] = time.perf_counter() - t0
+        self.say("loading tasks")
+        t0 = time.perf_counter()
+        o = self.opts
+        prepared = [prepare(t, limit=o.limit, seed=o.seed) for t in tf.tasks]
+        tokenizer = load_tokenizer(self.base, trust_remote_code=o.trust_remote_code)
+        requests = [build_requests(p, tokenizer) for p in prepared]
+        cand_tok = tokenizer
+        if not has_tokenizer(self.cand):
+            self.notes.append("the checkpoint has no tokenizer files: used the baseline's")
+        elif not same_tokenizer_files(self.cand, self.base):
+            cand_tok = load_tokenizer(self.cand, trust_remote_code=o.trust_remote_code)
+            for p, r in zip(prepared, requests):
+                if build_requests(p, cand_tok).digest() != r.digest():
+                    raise UsageError(f"the candidate's tokenizer tokenizes task '{p.spec.name}' differently from the baseline's",
+                                     "the checkpoint should carry the baseline's tokenizer files; reconvert or copy them")
+        self.timings["tasks"] = time.perf_counter() - t0
+        return prepared, requests, cand_tok
 
-    say("statistics")
-    verdicts = []
-    for i, p in enumerate(prepared):
-        b, c = base_runs[p.spec.name], cand_runs[p.spec.name]
-        v = judge_task(p.spec, b.per_example, c.per_example, strict=strict, n_boot=bootstrap,
-                       seed=(p.spec.seed if seed is None else seed) + i)
-        v.baseline_cached = p.spec.name in cached
-        if p.spec.type == "generate":
-            same = sum(x == y for x, y in zip(b.predictions, c.predictions))
-            v.extra["same_output_pct"] = 100.0 * same / max(len(b.predictions), 1)
-        elif p.spec.type == "multiple_choice":
-            same = sum(x == y for x, y in zip(b.predictions, c.predictions))
-            v.extra["same_choice_pct"] = 100.0 * same / max(len(b.predictions), 1)
-        v.extra["seconds"] = {"baseline": round(b.seconds, 3), "candidate": round(c.seconds, 3)}
-        verdicts.append(v)
-    ppl = [p.spec.name for p in prepared if p.spec.type == "perplexity"]
-    agree = None
-    if ppl:
-        agree = agreement_stats([r for n in ppl for r in base_runs[n].rows], [r for n in ppl for r in cand_runs[n].rows],
-                                tf.agreement, n_boot=bootstrap, seed=tf.tasks[0].seed if seed is None else seed)
+    def _provenance(self, ckpt, prepared):
+        """The contamination check against the checkpoint's calibration data, and the baseline's hash (the cache key's
+        model part); a note when the candidate was converted from other files than the baseline's."""
+        from qtk.eval import contamination as contam
+        from qtk.eval.cache import default_cache_dir, file_digests, model_hash
 
-    failures = [f"{v.name}: {v.reason}" for v in verdicts if v.status == "fail"]
-    if agree is not None and agree.status == "fail":
-        failures.append(f"agreement: {agree.reason}")
-    if cont.status == "overlap":
-        (failures if strict_heldout else notes).append(f"contamination: {cont.message}")
-    elif cont.status == "unchecked":
-        (failures if strict_heldout else notes).append(f"contamination not checked: {cont.message}")
-    timings["total"] = time.perf_counter() - t_start
+        o = self.opts
+        root = Path(o.cache_dir) if o.cache_dir else default_cache_dir()
+        self.say("contamination check")
+        t0 = time.perf_counter()
+        manifest = ckpt.manifest
+        cont = contam.check(manifest, prepared, cache_dir=root if o.use_cache else None)
+        self.timings["contamination"] = time.perf_counter() - t0
 
-    recipe = ((manifest or {}).get("recipe") or {})
-    result = GateResult(
-        passed=not failures, mode="strict" if strict else "significant",
-        candidate={"path": str(cand), "format": ckpt.format, "recipe": recipe.get("name"), "summary": recipe.get("summary"),
-                   "weights": ckpt.describe_weights(),
-                   "activations": ckpt.describe_activations(), "kv_cache": ckpt.kv_cache},
-        baseline={"path": str(base), "model_hash": mhash},
-        engine={**settings, "cache_dir": str(root) if use_cache else None, "bootstrap": bootstrap,
-                "baseline_cached": sorted(cached)},
-        tasks=verdicts, agreement=agree, contamination=cont, failures=failures, notes=notes,
-        timings={k: round(v, 3) for k, v in timings.items()}, manifest=manifest, measured=measured)
-    write_reports(result, json_path=json_path, junit=junit, markdown=markdown, plot=plot)
-    return result
+        self.say("hashing baseline")
+        t0 = time.perf_counter()
+        digests = file_digests(self.base, root if o.use_cache else None)
+        mhash = model_hash(digests)
+        src = ((manifest or {}).get("source") or {}).get("files_sha256") or {}
+        differing = [n for n, h in src.items() if n in digests and digests[n] != h]
+        if differing:
+            self.notes.append(f"the candidate was converted from a model whose {', '.join(differing)} differ from the baseline's")
+        self.timings["hash"] = time.perf_counter() - t0
+        return cont, mhash, root
+
+    def _ran(self, what: str, seconds: float) -> None:
+        self.runs["done"] += 1
+        if self.on_task:
+            self.on_task(self.runs["done"], self.runs["total"], f"{what} ({seconds:.1f}s)")
+
+    def _run_baseline(self, prepared, requests, mhash: str, settings: dict, topk: int, root: Path, kw: dict):
+        """Each task's baseline results: from the cache (keyed by model hash, task, requests and engine settings) or
+        run on the baseline engine (started only when a task is not cached) and stored."""
+        from qtk.eval.cache import BaselineCache, entry_key
+
+        self.say("baseline")
+        t0 = time.perf_counter()
+        cache = BaselineCache(root)
+        base_runs, cached = {}, set()
+        base_engine = None
+        try:
+            for p, r in zip(prepared, requests):
+                key = entry_key(mhash, p.spec.identity(), r.digest(), settings)
+                hit = cache.load(key) if self.opts.use_cache else None
+                if hit is not None:
+                    base_runs[p.spec.name] = TaskRun.from_cache(*hit)
+                    cached.add(p.spec.name)
+                    self.runs["total"] -= 1
+                    continue
+                if base_engine is None:
+                    base_engine = self.engines.make(self.base, None, kw)
+                self.say(f"baseline: {p.spec.name}")
+                run = evaluate_task(base_engine, p, r, topk=topk if p.spec.type == "perplexity" else 0)
+                base_runs[p.spec.name] = run
+                self._ran(f"baseline {p.spec.name}", run.seconds)
+                if self.opts.use_cache:
+                    cache.store(key, *run.to_cache())
+        finally:
+            if base_engine is not None:
+                base_engine.close()
+        self.timings["baseline"] = time.perf_counter() - t0
+        return base_runs, cached
+
+    def _run_candidate(self, ckpt, prepared, requests, base_runs: dict, cand_tok, kw: dict):
+        """Each task on the written checkpoint (perplexity tasks against the baseline's rows, for the agreement)."""
+        self.say("candidate")
+        t0 = time.perf_counter()
+        cand_engine = self.engines.make(self.cand, ckpt, {**kw, "tokenizer": cand_tok})
+        if self.opts.engine == "vllm" and ckpt.kv_cache and not str(cand_engine.kv_cache_dtype).startswith("fp8"):
+            self.notes.append(f"the checkpoint declares an {ckpt.kv_cache} KV cache, but vLLM ran it as "
+                              f"{cand_engine.kv_cache_dtype}: its k/v scales were not used")
+        cand_runs = {}
+        try:
+            for p, r in zip(prepared, requests):
+                self.say(f"candidate: {p.spec.name}")
+                ref = base_runs[p.spec.name].rows if p.spec.type == "perplexity" else None
+                cand_runs[p.spec.name] = evaluate_task(cand_engine, p, r, reference=ref)
+                self._ran(f"candidate {p.spec.name}", cand_runs[p.spec.name].seconds)
+        finally:
+            cand_engine.close()
+        self.timings["candidate"] = time.perf_counter() - t0
+        return cand_runs, cand_engine
+
+    def _judge(self, tf, prepared, base_runs: dict, cand_runs: dict, cached: set, cont):
+        """Each task's verdict (paired bootstrap, gate.judge_task), the agreement of perplexity tasks, and the failures
+        (contamination fails only with strict_heldout, else it is a note)."""
+        from qtk.eval.gate import agreement as agreement_stats
+        from qtk.eval.gate import judge_task
+
+        o = self.opts
+        self.say("statistics")
+        verdicts = []
+        for i, p in enumerate(prepared):
+            b, c = base_runs[p.spec.name], cand_runs[p.spec.name]
+            v = judge_task(p.spec, b.per_example, c.per_example, strict=o.strict, n_boot=o.bootstrap,
+                           seed=(p.spec.seed if o.seed is None else o.seed) + i)
+            v.baseline_cached = p.spec.name in cached
+            if p.spec.type == "generate":
+                same = sum(x == y for x, y in zip(b.predictions, c.predictions))
+                v.extra["same_output_pct"] = 100.0 * same / max(len(b.predictions), 1)
+            elif p.spec.type == "multiple_choice":
+                same = sum(x == y for x, y in zip(b.predictions, c.predictions))
+                v.extra["same_choice_pct"] = 100.0 * same / max(len(b.predictions), 1)
+            v.extra["seconds"] = {"baseline": round(b.seconds, 3), "candidate": round(c.seconds, 3)}
+            verdicts.append(v)
+        ppl = [p.spec.name for p in prepared if p.spec.type == "perplexity"]
+        agree = None
+        if ppl:
+            agree = agreement_stats([r for n in ppl for r in base_runs[n].rows], [r for n in ppl for r in cand_runs[n].rows],
+                                    tf.agreement, n_boot=o.bootstrap, seed=tf.tasks[0].seed if o.seed is None else o.seed)
+        failures = [f"{v.name}: {v.reason}" for v in verdicts if v.status == "fail"]
+        if agree is not None and agree.status == "fail":
+            failures.append(f"agreement: {agree.reason}")
+        if cont.status == "overlap":
+            (failures if o.strict_heldout else self.notes).append(f"contamination: {cont.message}")
+        elif cont.status == "unchecked":
+            (failures if o.strict_heldout else self.notes).append(f"contamination not checked: {cont.message}")
+        return verdicts, agree, failures
 
 
 def validate_candidate(ckpt, source_dir: Path | None, notes: list[str]) -> dict:
@@ -463,13 +593,14 @@ def validate_candidate(ckpt, source_dir: Path | None, notes: list[str]) -> dict:
     return {"weight_error": rep.errors, "kv_amax": rep.kv_amax}
 
 
-def _make_engine(engine: str, path: Path, ckpt, kw: dict):
+def _make_engine(engine: str, path: Path, ckpt, kw: dict, proc=None):
     from qtk.eval.engines import HFEngine, VLLMEngine
 
     if engine == "vllm":
-        if ckpt is not None and ckpt.format != "vllm":
-            raise UsageError(f"vLLM cannot load a {ckpt.format} checkpoint", "use --engine hf for this checkpoint")
-        return VLLMEngine(path, kv_cache=ckpt.kv_cache if ckpt is not None else None, trust_remote_code=kw["trust_remote_code"])
+        if ckpt is not None and ckpt.format not in ("vllm", "hf-fp8"):
+            raise UsageError(f"qtk runs only vllm and hf-fp8 checkpoints in vLLM, not {ckpt.format}",
+                             "use --engine hf for this checkpoint")
+        return VLLMEngine(path, proc=proc, trust_remote_code=kw["trust_remote_code"])
     if ckpt is None:
         return HFEngine.baseline(path, **{k: v for k, v in kw.items() if k != "tokenizer"})
     kw = {k: v for k, v in kw.items() if k != "trust_remote_code"}  # the candidate is built from qtk's reader, not from its code
@@ -477,15 +608,16 @@ def _make_engine(engine: str, path: Path, ckpt, kw: dict):
     return HFEngine.candidate(ckpt, tok, **kw)
 
 
-def write_reports(result: GateResult, *, json_path=None, junit=None, markdown=None, plot=None) -> None:
+def write_reports(result: GateResult, *, json_path=None, junit=None, markdown=None, plot=None, root=None) -> None:
+    """The reports asked for; root: the output directory qtk-named reports lie in (see run_gate)."""
     from qtk.eval import report
 
     if json_path:
-        report.write_json(result, json_path)
+        report.write_json(result, json_path, root)
     if junit:
-        report.write_junit(result, junit)
+        report.write_junit(result, junit, root)
     if markdown:
-        report.write_markdown(result, markdown)
+        report.write_markdown(result, markdown, root)
     if plot:
         report.write_plot({"stats": result.measured or {}}, plot,
-                          title=f"{result.candidate.get('recipe') or ''} {result.candidate['path']}".strip())
+                          title=f"{result.candidate.get('recipe') or ''} {result.candidate['path']}".strip(), root=root)

@@ -19,23 +19,21 @@ class _QtkCommand(click.Command):
         try:
             return super().invoke(ctx)
         except QtkError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(e.line(), err=True)
             sys.exit(e.exit_code)
 
 
-def _eval(checkpoint, baseline, tasks_file, junit, json_path, markdown, plot, engine, limit, seed, strict, strict_heldout,
-          cache_dir, no_cache, batch_size, device, dtype, bootstrap, task_names, threads, trust_remote_code):
+def _eval(checkpoint, baseline, tasks_file, no_cache, task_names, **options):
     """Gate CHECKPOINT (a directory `qtk convert` wrote) against the original model: same examples, same batches,
     paired bootstrap intervals, limits from the task file. Exit 0 pass, 1 gate failed, 2 usage error.
 
     \b
       qtk eval out/vllm --baseline model/ --tasks tasks.yaml --junit gate.xml --json gate.json
     """
-    result = gate_with_progress(checkpoint, baseline, tasks_file, engine=engine, limit=limit, seed=seed, strict=strict,
-                                strict_heldout=strict_heldout, cache_dir=cache_dir, use_cache=not no_cache,
-                                batch_size=batch_size, device=device, dtype=dtype, bootstrap=bootstrap,
-                                tasks=list(task_names) or None, json_path=json_path, junit=junit, markdown=markdown,
-                                plot=plot, threads=threads, trust_remote_code=trust_remote_code)
+    from qtk.eval.api import GateOptions
+
+    opts = GateOptions(use_cache=not no_cache, tasks=list(task_names) or None, **options)
+    result = gate_with_progress(checkpoint, baseline, tasks_file, opts)
     click.echo(summary(result))
     result.raise_for_verdict()
 
@@ -53,12 +51,12 @@ def gate_progress():
         yield {"progress": rep.stage, "on_task": lambda done, total, what: rep.step(done, total, what, label="task run")}
 
 
-def gate_with_progress(checkpoint, baseline, tasks_file, **kw):
+def gate_with_progress(checkpoint, baseline, tasks_file, options=None, **kw):
     """run_gate with qtk's progress on stderr."""
     from qtk.eval.api import run_gate
 
     with gate_progress() as progress:
-        return run_gate(checkpoint, baseline, tasks_file, **progress, **kw)
+        return run_gate(checkpoint, baseline, tasks_file, options, **progress, **kw)
 
 
 _options = [
@@ -71,7 +69,7 @@ _options = [
     click.option("--markdown", type=click.Path(path_type=str), help="Write a Markdown table for a pull request."),
     click.option("--plot", type=click.Path(path_type=str), help="Write a per-layer quantization-error plot (PNG; needs matplotlib)."),
     click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
-                 help="hf: transformers with the engine's quantization simulated; vllm: run it in vLLM (GPU)."),
+                 help="hf: transformers with the engine's quantization simulated; vllm: run it in the installed vLLM (CPU or GPU build)."),
     click.option("--limit", type=int, default=None, help="Evaluate at most N examples per task [task file]."),
     click.option("--seed", type=int, default=None, help="Seed for few-shot selection and the bootstrap [task file: 1234]."),
     click.option("--strict", is_flag=True, help="Fail on the point estimate, even when the drop is not significant."),

