@@ -7,6 +7,7 @@ import re
 import string
 from pathlib import Path
 
+import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-llama"
@@ -122,3 +123,21 @@ def run_measured(args: list[str]) -> tuple[float, int]:
         if r["exit"] != 0:
             raise RuntimeError(f"{args[0]} exited {r['exit']}: {err.read_text()[-2000:]}")
     return r["wall_s"], r["maxrss_kb"] * 1024
+
+
+def _ct_version() -> tuple[int, ...]:
+    import importlib.metadata as md
+
+    try:
+        return tuple(int(x) for x in md.version("compressed-tensors").split(".")[:2])
+    except (md.PackageNotFoundError, ValueError):
+        return (0,)
+
+
+# Tests that hold a transformers + compressed-tensors reload to qtk's float32 decode within 1e-4 need
+# compressed-tensors 0.20: the versions vLLM 0.32 pins (transformers 5.19, compressed-tensors 0.17; the engine
+# environment, make engine-env) decompress into the checkpoint's bf16. The main environment runs them; the engine
+# environment is judged by vLLM itself (tests/engine).
+needs_ct_float32_decode = pytest.mark.skipif(
+    _ct_version() < (0, 20), reason="compressed-tensors < 0.20 (vLLM 0.32's pin) decompresses into bf16; "
+                                    "this 1e-4 comparison runs in the main environment")

@@ -3,16 +3,24 @@ vLLM target; the checkpoint reloads in transformers + compressed-tensors with qt
 
 scripts/arch_matrix.py runs this file and writes the README's architecture table from the results."""
 
+import re
+
 import pytest
 import torch
 
 from models import make_tiny_model
 from qtk import api
+from qtk.checks import expected_quantized
+from qtk.errors import UsageError
 from qtk.export import open_checkpoint
 from qtk.model.simulate import build_simulated_model
 from qtk.plan.decide import w4a8_kind
 from qtk.recipe import builtin_recipes, load_recipe
 
+DEEPSEEK = {"kv_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+            "moe_intermediate_size": 128, "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 128,
+            "q_lora_rank": 128, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+            "topk_method": "noaux_tc"}  # as DeepSeek-V3's config.json says (vLLM loads the router bias only then)
 ARCH_CONFIGS = {
     "llama": {},
     "mistral": {"sliding_window": 16},
@@ -25,8 +33,22 @@ ARCH_CONFIGS = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
                   "norm_topk_prob": True},
+    # routed experts plus a shared expert behind a sigmoid gate (16-bit, with the router); q/k/v biases
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                  "shared_expert_intermediate_size": 256},
+    # MLA attention (q_a/q_b low-rank query, kv_a/kv_b latent), a dense first layer, then routed experts with a
+    # shared expert and a router bias; K/V heads = heads, as DeepSeek's configs have them
+    "deepseek_v3": DEEPSEEK,
+    # Llama-style attention with q/k/v biases and q/k norms, DeepSeek-style MoE (dense first layer, router bias)
+    "glm4_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+                 "moe_intermediate_size": 128, "n_shared_experts": 1, "first_k_dense_replace": 1, "head_dim": 32,
+                 "attention_bias": True, "use_qk_norm": True},
 }
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+# recipes a family refuses up front, with the reason's text (checked, so a refusal that changes fails the test)
+REFUSED = {("deepseek_v3", r): "attention is MLA: vLLM caches MLA's compressed latent (kv_lora_rank + "
+                                "qk_rope_head_dim per token), not per-head K and V"
+           for r in ("fp8-kv8", "int8-kv8", "nvfp4-kv8")}
 # FP8 blocks need Linears that are multiples of 128 both ways, which these tiny models' k/v are not (vLLM refuses
 # them, so does qtk): tests/export/test_formats_next_vllm.py runs them on a model they tile
 # static W4A8 (TensorRT-LLM's W4A8_AWQ: static per-tensor FP8 inputs) has no vLLM form: tests/trtllm covers it
@@ -61,6 +83,15 @@ def _moe_ct_reference(ck, tmp):
     return AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
 
 
+def _unrotatable(recipe: str, model_type: str) -> bool:
+    """A recipe with the rotate step on a family whose layers no rotation folds into (qtk.algorithms.rotate)."""
+    from qtk.algorithms.rotate import layout_problem
+    from qtk.model.arch import ARCHS
+
+    rotates = any(s.name == "rotate" for s in load_recipe(recipe).algorithm)
+    return rotates and layout_problem(ARCHS[model_type], model_type) is not None
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, calib_file):
     root = tmp_path_factory.mktemp("arch")
@@ -70,15 +101,27 @@ def models(tmp_path_factory, calib_file):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("model_type", list(ARCH_CONFIGS))
-def test_architecture_recipe_vllm(models, calib_file, tmp_path, model_type, recipe):
+def test_architecture_recipe_vllm(models, calib_file, tmp_path, model_type, recipe, record_property):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     src = models[model_type]
+    if (model_type, recipe) in REFUSED:
+        with pytest.raises(UsageError, match=re.escape(REFUSED[model_type, recipe])):
+            api.convert(src, recipe, tmp_path / "o", calib=str(calib_file), num_samples=4, seq_len=48, hash_source=False)
+        assert not (tmp_path / "o").exists()
+        record_property("refused", REFUSED[model_type, recipe])  # scripts/arch_matrix.py shows the reason in the cell
+        return
+    if _unrotatable(recipe, model_type):  # refused before any work, naming why (tests/steps/test_rotate.py)
+        with pytest.raises(UsageError, match=f"cannot rotate {model_type}") as e:
+            api.convert(src, recipe, tmp_path / "o", calib=str(calib_file), num_samples=4, seq_len=48, hash_source=False)
+        assert not (tmp_path / "o").exists()
+        record_property("refused", e.value.args[0])
+        return
     res = api.convert(src, recipe, tmp_path / "o", calib=str(calib_file), num_samples=4, seq_len=48, hash_source=False)
     d = res.outputs["vllm"]
     ck = open_checkpoint(d)
     n_layers = ck.hf_config["num_hidden_layers"]
-    assert len(ck.modules()) == n_layers * len(api._expected_quantized(ck)) // n_layers
+    assert len(ck.modules()) == n_layers * len(expected_quantized(ck, ck.arch, None)) // n_layers
     ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(0))
     sim = build_simulated_model(ck, simulate_activations=False, simulate_kv=False)
     # (NVFP4 / MXFP4 / MXFP8 experts: the loader's MoE path does not decode them either)

@@ -454,6 +454,9 @@ class SafetensorsFile:
                 raise ValueError(f"tensor {name} extends past the end of the file (truncated download?)")
             if end - start != _numel(shape) * torch.tensor([], dtype=dtype).element_size():
                 raise ValueError(f"tensor {name}: byte range does not match its shape and dtype")
+        if not (isinstance(self.metadata, dict) and all(isinstance(v, str) for v in self.metadata.values())):
+            raise ValueError("its __metadata__ is not a map of text to text")
+        _check_layout(header, size - self.data_start)
         self._fd = os.open(self.path, os.O_RDONLY)
 
     def keys(self) -> list[str]:
@@ -525,6 +528,31 @@ class SafetensorsFile:
         if fd is not None:
             _close(fd)
             self._fd = None
+
+
+def _check_layout(entries: dict, data_size: int) -> None:
+    """The data section's layout, held to the safetensors format's own rule (the reference reader's validation):
+    taken in order of their offsets, each tensor starts where the one before ended, the first at 0, and the last
+    ends where the file does. Tensors that share or overlap bytes, gaps and trailing bytes are refused: the
+    safetensors library refuses such a file ("invalid offset"), so an engine could not load what qtk read as fine,
+    and two tensors over the same bytes are not the model the names say."""
+    order = sorted(entries.items(), key=lambda kv: (kv[1]["data_offsets"][0], kv[1]["data_offsets"][1]))
+    at, prev = 0, None
+    for name, e in order:  # overlaps first: sharing bytes also leaves the bytes of the one moved to no tensor
+        start, end = e["data_offsets"]
+        if start < at:
+            raise ValueError(f"tensor {name} overlaps the bytes of tensor {prev} (bytes {start}-{end}, {prev} ends at {at})")
+        at, prev = end, name
+    at = 0
+    for name, e in order:
+        start, end = e["data_offsets"]
+        if start != at:
+            raise ValueError(f"tensor {name} starts at byte {start} of the data, leaving bytes {at}-{start} to no "
+                             "tensor")
+        at = end
+    if at != data_size:
+        raise ValueError(f"the tensors cover {at} bytes of data but the file holds {data_size} (bytes no tensor "
+                         "covers)")
 
 
 def _is_count(x) -> bool:

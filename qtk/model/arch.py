@@ -7,6 +7,7 @@ by it). ARCHS and TRAITS are views of FAMILIES. No isinstance or substring chain
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from qtk.errors import UsageError
 
@@ -44,9 +45,16 @@ class MoE:
     up: str
     down: str
     router: str = "gate"
+    # an expert every token goes through, next to the routed ones (its gate/up/down named as the routed experts'):
+    # Qwen2-MoE's "shared_expert", scaled by the sigmoid of a dense Linear(hidden, 1) `shared_gate`
+    shared: str | None = None
+    shared_gate: str | None = None
 
     def expert(self, e: int, which: str) -> str:
         return f"{self.block}.experts.{e}.{which}"
+
+    def shared_linear(self, which: str) -> str:
+        return f"{self.block}.{self.shared}.{which}"
 
     @property
     def router_name(self) -> str:
@@ -89,14 +97,37 @@ class Arch:
     # Linears whose static input scale the engine takes as one (vLLM's fused MoE uses the max over experts
     # of w13's and of w2's input scales): calibrated separately, written as the group's max
     shared_input_scale: tuple[tuple[str, ...], ...] = ()
+    # a family whose first layers are dense (DeepSeek's first_k_dense_replace): those layers' own Arch; the model's
+    # Arch (this one) is its sparse layers', and `at(i)` gives each layer's
+    first_sparse: int = 0
+    dense_layer: "Arch | None" = None
+    # why the family's KV cache cannot be quantized as qtk calibrates it (None: per-layer K and V scales apply)
+    kv_cache_refusal: str | None = None
+    # the family's modules depend on its config beyond the expert count (DeepSeek's q_lora_rank): arch_for applies it
+    for_config: "Callable[[Arch, dict], Arch] | None" = None
+
+    def at(self, i: int) -> "Arch":
+        """The Arch of decoder layer i (its Linears, groups and smoothing pairs)."""
+        return self.dense_layer if self.dense_layer is not None and i < self.first_sparse else self
+    # vision-language models: the modules outside the language model (vision tower, projector), by transformers' names;
+    # they stay in 16 bits, their tensors copied as stored, and the skeleton is the image-text-to-text class
+    multimodal: tuple[str, ...] = ()
 
     def fusion_group_of(self, linear: str) -> tuple[str, ...]:
         return next((g for g in self.fusion_groups if linear in g), (linear,))
 
+    def is_expert(self, linear: str) -> bool:
+        """Whether a layer's Linear (relative name) belongs to a routed expert, which sees only the tokens routed to
+        it (a shared expert sees every token)."""
+        return self.moe is not None and linear.startswith(f"{self.moe.block}.experts.")
+
     @property
     def dense_linears(self) -> tuple[str, ...]:
         """Linears of a layer that always stay unquantized (MoE routers); writers list them as excluded."""
-        return () if self.moe is None else (self.moe.router_name,)
+        if self.moe is None:
+            return ()
+        m = self.moe
+        return (m.router_name,) + ((f"{m.block}.{m.shared_gate}",) if m.shared_gate else ())
 
 
 LLAMA = Arch("llama", ("llama", "mistral"))
@@ -139,6 +170,59 @@ QWEN3_MOE = Arch("qwen3_moe", ("qwen3_moe",), linears=(Q, K, V, O), fusion_group
                  trtllm_architecture=None, vllm_fused=(((Q, K, V), "self_attn.qkv_proj"),),
                  moe=MoE("mlp", "gate_proj", "up_proj", "down_proj"))
 
+# Qwen2-MoE: Qwen2's attention (q/k/v biases); every token also goes through a shared expert, scaled by a sigmoid
+# gate (Linear(hidden, 1)) that vLLM runs as a plain torch Linear, so it stays 16-bit with the router
+QWEN2_MOE = Arch("qwen2_moe", ("qwen2_moe",), linears=(Q, K, V, O), fusion_groups=((Q, K, V),), smoothing=(),
+                 trtllm_architecture=None, vllm_fused=(((Q, K, V), "self_attn.qkv_proj"),),
+                 moe=MoE("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_expert",
+                         shared_gate="shared_expert_gate"))
+
+# GLM-4.5 / 4.6: Llama-style attention (q/k/v biases, optional q/k norms), DeepSeek-style MoE: dense first layers, a
+# router with e_score_correction_bias (vLLM's GateLinear, no quant_config), shared experts quantized
+GLM4_MOE = Arch("glm4_moe", ("glm4_moe",), linears=(Q, K, V, O), fusion_groups=((Q, K, V),), smoothing=(),
+                trtllm_architecture=None, vllm_fused=(((Q, K, V), "self_attn.qkv_proj"),),
+                moe=MoE("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"))
+
+# DeepSeek-V3 / R1 (Kimi-K2's config has this shape under its own model_type, which transformers has no class for:
+# planned, not converted): multi-head latent attention. The query goes
+# through a low-rank pair q_a_proj -> q_a_layernorm -> q_b_proj (q_proj where q_lora_rank is null); K and V come from
+# one compressed latent, kv_a_proj_with_mqa (kv_lora_rank + the shared RoPE key) -> kv_a_layernorm -> kv_b_proj.
+# vLLM (deepseek_v2.py) runs every one of them with the checkpoint's quant_config: q_a_proj and kv_a_proj_with_mqa
+# as one fused_qkv_a_proj, q_b_proj / q_proj / kv_b_proj column-parallel (MLA dequantizes kv_b_proj to absorb it),
+# o_proj row-parallel; the router (GateLinear) has no quant_config and its e_score_correction_bias is float32. So all
+# attention Linears, the shared experts and the dense layers' MLPs are quantized; the router stays 16-bit.
+QA, QB, KVA, KVB = "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"
+
+
+def mla(arch: Arch, config: dict) -> Arch:
+    """DeepSeek's attention for one config: without q_lora_rank the query is one q_proj, which vLLM runs apart from
+    kv_a_proj_with_mqa (no fused_qkv_a_proj)."""
+    if config.get("q_lora_rank"):
+        return arch
+    return replace(arch, linears=(Q, KVA, KVB, O), fusion_groups=(), vllm_fused=(),
+                   smoothing=(SmoothPair("input_layernorm", (Q, KVA), True),
+                              SmoothPair("self_attn.kv_a_layernorm", (KVB,), True)))
+
+
+DEEPSEEK_V3 = Arch("deepseek_v3", ("deepseek_v3",), linears=(QA, KVA, QB, KVB, O), fusion_groups=((QA, KVA),),
+                   smoothing=(SmoothPair("input_layernorm", (QA, KVA), True),
+                              SmoothPair("self_attn.q_a_layernorm", (QB,), True),
+                              SmoothPair("self_attn.kv_a_layernorm", (KVB,), True)),
+                   clip_skip=(Q, QA, QB, KVA, KVB), trtllm_architecture=None,
+                   vllm_fused=(((QA, KVA), "self_attn.fused_qkv_a_proj"),),
+                   moe=MoE("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"),
+                   kv_cache_refusal="vLLM caches MLA's compressed latent (kv_lora_rank + qk_rope_head_dim per token), "
+                                    "not per-head K and V, so qtk's K/V scales do not apply",
+                   for_config=mla)
+# Vision-language models: the language model as its text family's, under transformers' names for the multimodal class
+# (checkpoints of other vintages are renamed on reading, as transformers renames them on loading)
+_VL_TEXT = dict(layers="model.language_model.layers", embed="model.language_model.embed_tokens",
+                final_norm="model.language_model.norm", trtllm_architecture=None)
+GEMMA3_VL = replace(GEMMA, name="gemma3", model_types=("gemma3",), multimodal=("model.vision_tower", "model.multi_modal_projector"),
+                    **_VL_TEXT)
+QWEN2_5_VL = replace(QWEN2, name="qwen2_5_vl", model_types=("qwen2_5_vl",), multimodal=("model.visual",), **_VL_TEXT)
+QWEN3_VL = replace(QWEN3, name="qwen3_vl", model_types=("qwen3_vl",), multimodal=("model.visual",), **_VL_TEXT)
+
 
 
 @dataclass(frozen=True)
@@ -170,10 +254,8 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(LLAMA, Traits(sliding="all"), "MistralForCausalLM"),
     "mixtral": Family(MIXTRAL, Traits(sliding="all"), "MixtralForCausalLM"),
     "qwen2": Family(QWEN2, Traits(qkv_bias=True, sliding="qwen"), "Qwen2ForCausalLM"),
-    "qwen2_moe": Family(None, Traits(qkv_bias=True, sliding="qwen")),
     "qwen2_vl": Family(None, Traits(qkv_bias=True)),
     "qwen2_vl_text": Family(None, Traits(qkv_bias=True)),
-    "qwen2_5_vl": Family(None, Traits(qkv_bias=True)),
     "qwen2_5_vl_text": Family(None, Traits(qkv_bias=True)),
     "qwen3": Family(QWEN3, Traits(qk_norm=True, sliding="qwen"), "Qwen3ForCausalLM"),
     "qwen3_moe": Family(QWEN3_MOE, Traits(qk_norm=True, sliding="qwen"), "Qwen3MoeForCausalLM"),
@@ -183,8 +265,16 @@ FAMILIES: dict[str, Family] = {
                           "Gemma3ForCausalLM"),
     "phi3": Family(PHI3, None, "Phi3ForCausalLM"),
     "deepseek_v2": Family(None, Traits()),
-    "deepseek_v3": Family(None, Traits(router_bias=True)),
     "kimi_k2": Family(None, Traits(router_bias=True)),
+    "qwen2_moe": Family(QWEN2_MOE, Traits(qkv_bias=True, sliding="qwen"), "Qwen2MoeForCausalLM"),
+    "deepseek_v3": Family(DEEPSEEK_V3, Traits(router_bias=True), "DeepseekV3ForCausalLM"),
+    "glm4_moe": Family(GLM4_MOE, Traits(router_bias=True), "Glm4MoeForCausalLM"),
+    # vision-language models (the language model converted, the vision tower and projector kept in 16 bits)
+    "gemma3": Family(GEMMA3_VL, Traits(qk_norm=True, sandwich_norms=True, tie_default=True, sliding="pattern"),
+                     "Gemma3ForConditionalGeneration"),
+    "qwen2_5_vl": Family(QWEN2_5_VL, Traits(qkv_bias=True), "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": Family(QWEN3_VL, Traits(qk_norm=True), "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_text": Family(None, Traits(qk_norm=True)),  # its text_config's model_type, which qtk plan reads
 }
 ARCHS: dict[str, Arch] = {mt: f.arch for mt, f in FAMILIES.items() if f.arch is not None}  # what qtk converts
 TRAITS: dict[str, Traits] = {mt: f.traits for mt, f in FAMILIES.items() if f.traits is not None}  # what qtk plan knows
@@ -220,10 +310,10 @@ class Geometry:
 
 
 def num_experts(config: dict) -> int:
-    n = config.get("num_local_experts", config.get("num_experts"))
+    n = config.get("num_local_experts", config.get("num_experts", config.get("n_routed_experts")))
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise UsageError(f"config.json of this {config.get('model_type')} model gives no expert count "
-                         "(num_local_experts / num_experts)", "restore the model's original config.json")
+                         "(num_local_experts / num_experts / n_routed_experts)", "restore the model's original config.json")
     return n
 
 
@@ -232,30 +322,51 @@ def with_experts(arch: Arch, config: dict) -> Arch:
     down: an expert's input never depends on another expert), gate/up fused per expert (vLLM's w13), the
     post-attention norm smoothed into every expert's gate/up and folded into the router, up -> down per expert."""
     m = arch.moe
-    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1) or 1) != 1:
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1) or 1) != 1 \
+            or int(config.get("moe_layer_freq", 1) or 1) != 1:
         raise UsageError(f"this {config.get('model_type')} config mixes dense and MoE layers (mlp_only_layers / "
-                         "decoder_sparse_step)", "qtk converts MoE models whose every layer is sparse; use another tool for this one")
-    if config.get("shared_expert_intermediate_size"):
-        raise UsageError("this MoE config has a shared expert, which qtk does not handle yet",
-                         "use a model without shared experts (Mixtral, Qwen3-MoE)")
+                         "decoder_sparse_step / moe_layer_freq)", "qtk converts MoE models whose layers are all sparse, or dense first (first_k_dense_replace); "
+                         "use another tool for this one")
+    if config.get("shared_expert_intermediate_size") and m.shared is None:
+        raise UsageError(f"this {config.get('model_type')} config has a shared expert, which its family does not have",
+                         "restore the model's original config.json")
     E = num_experts(config)
     gates = [m.expert(e, m.gate) for e in range(E)]
     ups = [m.expert(e, m.up) for e in range(E)]
     downs = [m.expert(e, m.down) for e in range(E)]
     gate_up = tuple(x for e in range(E) for x in (gates[e], ups[e]))
-    return replace(
+    # the shared expert reads the block input as the routed ones do (its gate/up first: it sees every token) and
+    # runs in vLLM as an ordinary MLP (its own merged gate_up_proj), not in the fused-MoE kernel
+    sg, su, sd = ((m.shared_linear(w) for w in (m.gate, m.up, m.down)) if m.shared else ((), (), ()))
+    shared_in, shared_down = ((sg, su), (sd,)) if m.shared else ((), ())
+    # the attention's own pairs (DeepSeek's MLA norms), else Llama-style attention's
+    attn_smoothing = arch.smoothing or (SmoothPair("input_layernorm", (Q, K, V), True), SmoothPair(V, (O,), False))
+    sparse = replace(
         arch,
         num_experts=E,
-        linears=arch.linears + gate_up + tuple(downs),
-        fusion_groups=arch.fusion_groups + tuple((gates[e], ups[e]) for e in range(E)),
+        linears=arch.linears + shared_in + gate_up + shared_down + tuple(downs),
+        fusion_groups=arch.fusion_groups + ((shared_in,) if m.shared else ()) + tuple((gates[e], ups[e]) for e in range(E)),
         smoothing=(
-            SmoothPair("input_layernorm", (Q, K, V), True),
-            SmoothPair(V, (O,), False),
-            SmoothPair("post_attention_layernorm", gate_up, True, dense=(m.router_name,), observe=m.router_name),
+            *attn_smoothing,
+            SmoothPair("post_attention_layernorm", shared_in + gate_up, True,
+                       dense=arch.dense_linears, observe=m.router_name),
+            *((SmoothPair(su, (sd,), False),) if m.shared else ()),
             *(SmoothPair(ups[e], (downs[e],), False) for e in range(E)),
         ),
+        vllm_fused=arch.vllm_fused + (((shared_in, f"{m.block}.{m.shared}.gate_up_proj"),) if m.shared else ()),
         shared_input_scale=(gate_up, tuple(downs)),
     )
+    first = int(config.get("first_k_dense_replace") or 0)
+    if not first:
+        return sparse
+    # DeepSeek's first layers: attention and an ordinary MLP (vLLM's merged gate_up_proj); its groups and fused
+    # name are also the model's, so checks that match names across layers know them
+    dense = replace(arch, moe=None, linears=arch.linears + (GATE, UP, DOWN), fusion_groups=arch.fusion_groups + ((GATE, UP),),
+                    smoothing=(*attn_smoothing, SmoothPair("post_attention_layernorm", (GATE, UP), True),
+                               SmoothPair(UP, (DOWN,), False)),
+                    vllm_fused=arch.vllm_fused + (((GATE, UP), "mlp.gate_up_proj"),))
+    return replace(sparse, first_sparse=min(first, int(config.get("num_hidden_layers") or first)), dense_layer=dense,
+                   fusion_groups=sparse.fusion_groups + ((GATE, UP),), vllm_fused=dense.vllm_fused + sparse.vllm_fused[len(arch.vllm_fused):])
 
 
 def arch_for(model_type: str | None, config: dict | None = None) -> Arch:
@@ -264,6 +375,8 @@ def arch_for(model_type: str | None, config: dict | None = None) -> Arch:
         raise UsageError(f"model_type '{model_type}' is not supported",
                          f"supported: {', '.join(sorted(ARCHS))}")
     arch = ARCHS[model_type]
+    if arch.for_config is not None and config is not None:
+        arch = arch.for_config(arch, config)
     if arch.moe is not None:
         if config is None:
             raise ValueError(f"arch_for({model_type!r}) needs the config: an MoE architecture depends on its expert count")

@@ -3,8 +3,8 @@
 transformers 5 holds a block's experts as fused 3-D parameters (gate_up_proj [E, 2I, H], down_proj
 [E, H, I]) and fuses the checkpoint's per-expert tensors on load. qtk calibrates and quantizes each
 expert's Linears separately (hooks, smoothing, GPTQ and the writers all see nn.Linear), so the skeleton's
-fused experts are replaced by `ExpertMLP`s; the router is the model's own module, so routing is the
-model's own math.
+fused experts are replaced by `ExpertMLP`s; the block (router, shared experts and their gate) is the model's
+own module, so routing and the shared path are the model's own math.
 """
 
 from __future__ import annotations
@@ -31,61 +31,68 @@ class ExpertMLP(nn.Module):
         return down(self.act_fn(gate(x)) * up(x))
 
 
-class UnfusedMoE(nn.Module):
-    """transformers' sparse MoE block (router -> top-k experts -> weighted sum) over per-expert Linears.
+class UnfusedExperts(nn.ModuleList):
+    """transformers' fused experts module (hidden [tokens, H], top-k indices and weights -> the weighted sum of the
+    chosen experts' outputs) over per-expert Linears. The MoE block around it (router, shared experts, their gate)
+    stays the model's own module, so routing and the shared path are the model's own math.
 
     `routed` [E] counts the tokens routed to each expert over every forward since the last reset_counts()."""
 
-    def __init__(self, router: nn.Module, experts: nn.ModuleList, router_name: str = "gate"):
-        super().__init__()
-        self.router_name = router_name
-        self.add_module(router_name, router)
-        self.experts = experts
-        self.num_experts = len(experts)
+    def __init__(self, experts):
+        super().__init__(experts)
+        self.num_experts = len(self)
         self.routed = torch.zeros(self.num_experts, dtype=torch.long)
 
     def reset_counts(self) -> None:
         self.routed = torch.zeros(self.num_experts, dtype=torch.long)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])  # x [tokens, H]
-        _, top_w, top_i = getattr(self, self.router_name)(x)  # top_w, top_i [tokens, k]
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = hidden_states  # [tokens, H]; top_k_index, top_k_weights [tokens, k]
         out = torch.zeros_like(x)
         with torch.no_grad():
-            hit = F.one_hot(top_i, self.num_experts).permute(2, 1, 0)  # [E, k, tokens]
+            hit = F.one_hot(top_k_index, self.num_experts).permute(2, 1, 0)  # [E, k, tokens]
             counts = hit.sum(dim=(1, 2))
         self.routed = self.routed + counts.cpu()
         for e in counts.nonzero().flatten().tolist():  # an expert no token chose is not run (as in transformers)
             pos, tok = torch.where(hit[e])
-            y = self.experts[e](x[tok]) * top_w[tok, pos, None]
+            y = self[e](x[tok]) * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
-        return out.reshape(shape)
+        return out
 
 
 def unfuse_experts(model: nn.Module, arch) -> None:
-    """Replace each decoder layer's fused MoE block (transformers' `mlp`) by an UnfusedMoE registered under
-    the checkpoint's block name (Mixtral: block_sparse_moe). The layer's forward keeps calling `self.mlp`,
-    which then refers to the same module without registering it twice (state_dict and named_modules list
-    each tensor once, under the checkpoint's name). New Linears are created on the fused parameters' device
-    (meta for a skeleton), uninitialised."""
+    """In each decoder layer whose MLP is sparse, replace the block's fused experts by UnfusedExperts and register
+    the block under the checkpoint's block name (Mixtral: block_sparse_moe), its router first and its experts
+    next (the checkpoint's order; a dense layer of a family that mixes them is left as it is). The layer's forward
+    keeps calling `self.mlp`, which then refers to the same module without registering it twice (state_dict and
+    named_modules list each tensor once, under the checkpoint's name). New Linears are created on the fused
+    parameters' device (meta for a skeleton), uninitialised."""
     m = arch.moe
     for layer in model.get_submodule(arch.layers):
         block = layer.mlp
-        fused = block.experts
+        fused = getattr(block, "experts", None)
+        if fused is None or not hasattr(fused, "gate_up_proj"):
+            continue  # a dense MLP layer
         E, two_i, H = fused.gate_up_proj.shape
         dev, dt = fused.gate_up_proj.device, fused.gate_up_proj.dtype
-        experts = nn.ModuleList(ExpertMLP((m.gate, m.up, m.down), H, two_i // 2, fused.act_fn, dev, dt) for _ in range(E))
-        new = UnfusedMoE(getattr(block, m.router), experts, m.router)
+        experts = UnfusedExperts(ExpertMLP((m.gate, m.up, m.down), H, two_i // 2, fused.act_fn, dev, dt) for _ in range(E))
+        order = [m.router, "experts", *(k for k in block._modules if k not in (m.router, "experts"))]
+        mods = dict(block._modules, experts=experts)
+        block._modules.clear()
+        for k in order:
+            block._modules[k] = mods[k]
         del layer._modules["mlp"]
-        layer.add_module(m.block, new)
+        layer.add_module(m.block, block)
         if m.block != "mlp":
-            object.__setattr__(layer, "mlp", new)  # an unregistered alias: the forward reads self.mlp
+            object.__setattr__(layer, "mlp", block)  # an unregistered alias: the forward reads self.mlp
 
 
-def moe_blocks(layer: nn.Module, arch) -> dict[str, UnfusedMoE]:
-    """The layer's MoE blocks by relative name (empty for dense architectures)."""
-    return {} if arch.moe is None else {arch.moe.block: layer.get_submodule(arch.moe.block)}
+def moe_blocks(layer: nn.Module, arch) -> dict[str, UnfusedExperts]:
+    """The layer's routed experts by their MoE block's relative name (empty for dense architectures and layers)."""
+    if arch.moe is None:
+        return {}
+    experts = getattr(getattr(layer, arch.moe.block, None), "experts", None)
+    return {arch.moe.block: experts} if isinstance(experts, UnfusedExperts) else {}
 
 
 def starved_experts(expert_tokens: dict[str, list[int]], min_tokens: int) -> dict[str, int]:
@@ -101,6 +108,7 @@ def report_starved_experts(expert_tokens: dict[str, list[int]], min_tokens: int)
 
         logging.getLogger("qtk.moe").warning(
             "%d expert(s) received fewer than %d calibration tokens: %s. Their scales rest on little data "
-            "(none: GPTQ falls back to RTN, smoothing uses s = 1); calibrate with more or more varied samples",
+            "(GPTQ rounds them to nearest; smoothing uses s = 1 for those with none); calibrate with more or more "
+            "varied samples",
             len(starved), min_tokens, ", ".join(f"{k} ({v})" for k, v in starved.items()))
     return starved

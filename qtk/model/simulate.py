@@ -120,18 +120,12 @@ def fusion_members(modules: list[str], groups) -> list[list[str]]:
 
 
 def max_scale_weights(qts: list) -> list[torch.Tensor] | None:
-    """vLLM runs q/k/v and gate/up as one GEMM with one per-tensor FP8 weight scale: members written with scales of
-    their own (llm-compressor's checkpoints) are requantized at load to the largest, fp8(q_i·s_i / s_max), and that
-    is what it runs (vLLM's requantize_with_max_scale; TensorRT-LLM's writer does the same). float32 weights of the
-    members, or None when they are not per-tensor FP8 or already share one scale (then nothing changes)."""
-    if not all(qt.scheme.is_fp8 and qt.scheme.strategy == "tensor" for qt in qts):
+    """float32 weights of fused members as the engines run them in one GEMM (their format's fused_weights: vLLM
+    requantizes per-tensor FP8 members to the largest scale), or None when each runs as its own decode."""
+    fmt = qts[0].format
+    if any(qt.format is not fmt for qt in qts):
         return None
-    scales = [qt.scale.float().reshape(()) for qt in qts]
-    s_max = torch.stack(scales).max()
-    if all(torch.equal(s, s_max) for s in scales):
-        return None
-    return [(qt.values.float() * s).div_(s_max).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float().mul_(s_max)
-            for qt, s in zip(qts, scales)]
+    return fmt.fused_weights(qts)
 
 
 def _qtk_attention(module, query, key, value, attention_mask, **kwargs):
@@ -174,11 +168,33 @@ def set_kv_hook(attn_module: torch.nn.Module, hook: Callable | None) -> None:
     attn_module._qtk_kv_hook = hook
 
 
-def kv_fake_quant(kind: str, k_scale: float, v_scale: float) -> Callable:
+KV_ROUNDINGS = ("nearest", "toward_zero")
+
+
+def fp8_toward_zero(y: torch.Tensor) -> torch.Tensor:
+    """float32 -> the e4m3 value of largest magnitude not above |y| (saturating at ±448), as float32: round to
+    nearest, then one code toward zero wherever that rounded away from zero (e4m3 codes of one sign are ordered
+    by magnitude, subnormals included)."""
+    c = y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    away = c.float().abs() > y.abs()
+    u = c.view(torch.uint8)
+    u = torch.where(away, (u & 0x80) | ((u & 0x7F) - 1), u)
+    return u.view(FP8_DTYPE).float()
+
+
+def kv_fake_quant(kind: str, k_scale: float, v_scale: float, rounding: str = "nearest") -> Callable:
     """What the engine's cache stores and reads back: fp8(x / scale) * scale (vLLM FP8), or
-    round(x / scale) clamped to int8, times scale (TensorRT-LLM INT8)."""
+    round(x / scale) clamped to int8, times scale (TensorRT-LLM INT8).
+
+    rounding "toward_zero" is vLLM's CPU attention kernel (0.32): it multiplies by the reciprocal of the scale in
+    float32 and truncates to e4m3 where the GPU kernels round to nearest (tests/engine: the bytes it writes)."""
+    if rounding not in KV_ROUNDINGS:
+        raise ValueError(f"unknown KV rounding {rounding!r}")
 
     def q(x, s):
+        if rounding == "toward_zero" and kind == "fp8":
+            inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(s, dtype=torch.float32)
+            return fp8_toward_zero(x.float() * inv).mul_(s).to(x.dtype)
         y = x.float().div(s) if x.dtype != torch.float32 else x.div(s)
         if kind == "fp8":
             y = y.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
@@ -197,10 +213,11 @@ def replace_module(root: torch.nn.Module, name: str, new: torch.nn.Module) -> No
 
 
 def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_kv: bool = True,
-                          dtype: torch.dtype = torch.float32):
+                          dtype: torch.dtype = torch.float32, kv_rounding: str = "nearest"):
     """The model a checkpoint describes, as the engine runs it: dequantized weights read from disk, each Linear's
     activations fake-quantized with the scheme and static scale its config gives that module (ckpt.scheme_for), and
-    the KV cache with the checkpoint's own scales. Module names come from the architecture table (ckpt.names)."""
+    the KV cache with the checkpoint's own scales, rounded as `kv_rounding` says (kv_fake_quant). Module names come
+    from the architecture table (ckpt.names)."""
     from transformers import AutoConfig
 
     from qtk.model.source import meta_skeleton
@@ -246,5 +263,5 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
 
                 raise CheckFailed(f"{ckpt.kv_tensor_names(i)} missing although the config declares an {ckpt.kv_cache} "
                                   "KV cache", f"run qtk inspect {ckpt.path}")
-            set_kv_hook(layer.get_submodule(names.attn), kv_fake_quant(ckpt.kv_cache, *scales))
+            set_kv_hook(layer.get_submodule(names.attn), kv_fake_quant(ckpt.kv_cache, *scales, kv_rounding))
     return model.eval()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 from functools import cached_property
 from pathlib import Path
 
@@ -13,10 +12,20 @@ import torch
 
 from qtk.errors import UsageError
 from qtk.model.arch import ARCHS, Arch, arch_for
-from qtk.model.config_check import check_against_weights
+from qtk.model.config_check import check_against_weights, read_config_json, text_config
+from qtk.model.prequantized import source_quantization
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+# chat templates transformers reads besides chat_template.jinja and tokenizer_config.json's chat_template: the
+# processor's legacy file and the named templates of additional_chat_templates/ (every *.jinja there)
+TEMPLATE_FILE = "chat_template.json"
+TEMPLATE_DIR = "additional_chat_templates"
+# a tokenizer file, template or generation config larger than this is no model's (Gemma 3's tokenizer.json, among
+# the largest vocabularies, is 33 MB); the tokenizer parses them whole, at several times their size
+MAX_SIDE_FILE_BYTES = 64 * 2**20
+# a vision-language model's processor: image (and video) preprocessing, which every output copies with the tokenizer
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -27,7 +36,7 @@ def meta_skeleton(config, trust_remote_code: bool = False, dtype=torch.float32):
 
     Parameters are created empty (no init) and moved to meta one at a time, so building costs neither
     memory nor initialisation time; buffers computed in __init__ keep their values."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.initialization import no_init_weights
 
     register = torch.nn.Module.register_parameter
@@ -37,14 +46,15 @@ def meta_skeleton(config, trust_remote_code: bool = False, dtype=torch.float32):
             param = torch.nn.Parameter(param.to("meta"), requires_grad=False)
         register(self, name, param)
 
+    arch = ARCHS.get(getattr(config, "model_type", None))
+    auto = AutoModelForImageTextToText if arch is not None and arch.multimodal else AutoModelForCausalLM
     torch.nn.Module.register_parameter = to_meta
     try:
         with no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     finally:
         torch.nn.Module.register_parameter = register
     model.tie_weights()  # the patched registration loses from_config's tying: lm_head must stay the embedding
-    arch = ARCHS.get(getattr(config, "model_type", None))
     if arch is not None and arch.moe is not None:  # per-expert Linears, as checkpoints name them
         from qtk.model.moe import unfuse_experts
 
@@ -66,28 +76,31 @@ class ModelSource:
         cfg = self.path / "config.json"
         if not cfg.is_file():
             raise UsageError(f"{self.path} has no config.json", "point at a Hugging Face model directory (it holds config.json and *.safetensors)")
-        try:
-            self.config_dict = json.loads(cfg.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UsageError(f"{cfg} is not valid JSON ({e.__class__.__name__}: {e})", "restore the model's original config.json") from None
-        if not isinstance(self.config_dict, dict):
-            raise UsageError(f"{cfg} is not a JSON object", "restore the model's original config.json")
+        self.config_dict = read_config_json(cfg)
         if "auto_map" in self.config_dict and not trust_remote_code:
             raise UsageError(f"{self.path.name} needs custom code from the model repository (config.json has auto_map)",
                              "review that code, then pass --trust-remote-code")
         self._check_code_files()
-        if "quantization_config" in self.config_dict:
-            method = self.config_dict["quantization_config"]
-            method = method.get("quant_method", "?") if isinstance(method, dict) else "?"
-            raise UsageError(f"{self.path.name} is already quantized (config.json has a {method} quantization_config)",
-                             "give the original unquantized (bf16/fp16) model")
+        # an FP8-block source is read as the 16-bit model it stands for (qtk.model.prequantized): config_dict is that
+        # model's config, without the quantization_config, which is kept in `quant`; other quantized sources refused
+        self.quant = source_quantization(self.config_dict, self.path.name)
+        if self.quant is not None:
+            self.config_dict = {k: v for k, v in self.config_dict.items() if k != "quantization_config"}
         if "model_type" not in self.config_dict:
             raise UsageError(f"{cfg} has no model_type", "restore the model's original config.json (it names the architecture, e.g. 'llama')")
+        if not isinstance(self.config_dict["model_type"], str):
+            raise UsageError(f"{cfg}: model_type is {str(self.config_dict['model_type'])[:40]}, not a name",
+                             "restore the model's original config.json (it names the architecture, e.g. 'llama')")
         self.arch: Arch = arch_for(self.config_dict.get("model_type"), self.config_dict)
         self._handles: dict[Path, object] = {}
         self._skeleton = None
         self._layout = None
         self.weight_map = self._index_weights()
+        self._disk: dict[str, str] = {}  # name -> its name in the weight files, where they differ
+        if self.arch.multimodal:
+            self.weight_map = self._model_names(self.weight_map)
+        if self.quant is not None:  # the scales leave the weight map: the model read is the dequantized one
+            self.weight_map = self.quant.index(self.weight_map, self.shape, self._stored_dtype, f"{self.path.name}")
         check_against_weights(self.config_dict, sum(p.stat().st_size for p in set(self.weight_map.values())),
                               len(self.weight_map), f"{cfg}")
         self.checked_side_files()
@@ -95,23 +108,44 @@ class ModelSource:
     # ---- files ----
 
     def _check_code_files(self) -> None:
-        """With --trust-remote-code, the auto_map's modules must be in the directory (qtk never downloads code)."""
-        refs = self.config_dict.get("auto_map") or {}
-        refs = [r for v in (refs.values() if isinstance(refs, dict) else []) for r in (v if isinstance(v, list) else [v])]
-        for ref in refs:
-            if isinstance(ref, str) and "--" not in ref and "." in ref:  # 'repo--module.Class' lives in another repository
-                module = ref.rpartition(".")[0].replace(".", "/") + ".py"
-                if not (self.path / module).is_file():
-                    raise UsageError(f"config.json's auto_map needs {module}, which is not in {self.path.name}",
-                                     "copy the model repository's *.py files into the model directory")
+        """The auto_map's modules (config.json's, and tokenizer_config.json's for the tokenizer) must be in the
+        directory: qtk never downloads code, and transformers fetches an 'org/repo--module.Class' reference from that
+        other repository even for a local model, so one is refused before transformers sees it."""
+        maps = [("config.json", self.config_dict.get("auto_map"))]
+        tok_cfg = self.path / "tokenizer_config.json"
+        if tok_cfg.is_file():
+            try:
+                from qtk.bounds import parse_json
+
+                check_size(tok_cfg, MAX_SIDE_FILE_BYTES)
+                doc = parse_json(tok_cfg.read_bytes())
+            except ValueError:
+                doc = None  # unreadable: the tokenizer's own load reports it, if it is ever loaded
+            if isinstance(doc, dict):
+                maps.append(("tokenizer_config.json", doc.get("auto_map")))
+        for origin, refs in maps:
+            refs = [r for v in (refs.values() if isinstance(refs, dict) else []) for r in (v if isinstance(v, list) else [v])]
+            for ref in refs:
+                if isinstance(ref, str) and "--" in ref:  # 'org/repo--module.Class' lives in another repository
+                    raise UsageError(f"{origin}'s auto_map takes code from another repository ({ref[:120]!r}), which "
+                                     "qtk does not download", "copy that repository's *.py files into the model "
+                                     "directory and name them in auto_map as module.Class")
+                if origin == "config.json" and self.trust_remote_code and isinstance(ref, str) and "." in ref:
+                    module = ref.rpartition(".")[0].replace(".", "/") + ".py"
+                    if not (self.path / module).is_file():
+                        raise UsageError(f"config.json's auto_map needs {module}, which is not in {self.path.name}",
+                                         "copy the model repository's *.py files into the model directory")
 
     def _index_weights(self) -> dict[str, Path]:
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
+            from qtk.bounds import parse_json
+
+            check_size(index, MAX_SIDE_FILE_BYTES)  # a name per tensor: a few MB for the largest models
             try:
-                wm = json.loads(index.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                wm = parse_json(index.read_bytes())
+            except ValueError as e:  # JSONDecodeError, not UTF-8, nested past the parser's stack
                 raise UsageError(f"{index} is not valid JSON ({e})", "restore the index file or re-download the model") from None
             wm = wm.get("weight_map") if isinstance(wm, dict) else None
             if not isinstance(wm, dict):
@@ -141,6 +175,45 @@ class ModelSource:
             return self._index_pickle()
         raise UsageError(f"{self.path} has no weights (*.safetensors)", "download the model's safetensors files into that directory")
 
+    def _model_names(self, weight_map: dict[str, Path]) -> dict[str, Path]:
+        """A vision-language checkpoint's tensors under the names of transformers' multimodal class, which the family
+        table uses: checkpoints of earlier vintages name them otherwise (language_model.model.layers,
+        vision_tower.vision_model, visual), and transformers renames them on loading by its own conversion table, asked
+        here on the meta skeleton. The output is written under these names, which transformers and vLLM both load."""
+        import transformers
+
+        model = self.skeleton_model()
+        try:  # transformers' loading internals, as of the version qtk is tested with (5.25)
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+            transforms = get_model_conversion_mapping(model)
+            renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+            converters = [t for t in transforms if isinstance(t, WeightConverter)]
+            meta = model.state_dict()
+            rename = lambda disk: rename_source_key(disk, renamings, converters, model.base_model_prefix, meta)[0]  # noqa: E731
+            rename(next(iter(weight_map)))
+        except (ImportError, AttributeError, TypeError) as e:
+            raise UsageError(f"transformers {transformers.__version__} does not expose the checkpoint renaming qtk reads "
+                             f"{self.arch.name} checkpoints with ({_one_line(e)})",
+                             "install the transformers version qtk is tested with: pip install 'transformers>=5.25,<6'") from None
+        out = {}
+        for disk, f in weight_map.items():
+            name = rename(disk)
+            if name in out:
+                raise UsageError(f"{self.path.name} holds two tensors for {name} ({self._disk.get(name, name)} and {disk})",
+                                 "the checkpoint mixes two naming schemes: re-download it")
+            out[name] = f
+            if name != disk:
+                self._disk[name] = disk
+        return out
+
+    def skeleton_model(self):
+        """The meta skeleton (qtk.model.source.meta_skeleton), built once: unchecked here, checked by skeleton()."""
+        if getattr(self, "_meta", None) is None:
+            self._meta = meta_skeleton(self.config, trust_remote_code=self.trust_remote_code)
+        return self._meta
+
     def _inside(self, fname: str, index: Path) -> Path:
         """The shard an index entry names, which must lie in the model directory: no absolute path, no '..',
         no directory link leading out (a shard that is itself a link, as in the Hugging Face cache, is fine)."""
@@ -158,16 +231,41 @@ class ModelSource:
     def checked_side_files(self) -> list[Path]:
         """The side files (tokenizer, chat template, generation config), which every output copies; refuses one
         whose real path is outside the model directory (a link to /etc/passwd would be published with the
-        checkpoint). Links into the Hugging Face cache's blob store (snapshots/REV/f -> ../../blobs/HASH) are
-        that cache's own layout and stay allowed."""
+        checkpoint, or read and applied as a chat template), and one larger than MAX_SIDE_FILE_BYTES (the tokenizer
+        parses it whole). Every chat template transformers may read is checked so, copied or not
+        (chat_template.json, additional_chat_templates/). Links into the Hugging Face cache's blob store
+        (snapshots/REV/f -> ../../blobs/HASH) are that cache's own layout and stay allowed."""
         root = self.path.resolve()
         roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
         files = self.side_files
-        for p in [self.path / "config.json", *files]:  # config.json is rewritten into every output too
-            if not any(r in p.resolve().parents for r in roots):
-                raise UsageError(f"{p.name} in {self.path.name} is a link to a file outside the model directory",
+
+        def outside(p: Path) -> bool:
+            real = p.resolve()
+            return not any(r == real or r in real.parents for r in roots)
+
+        templates = self.path / TEMPLATE_DIR
+        read = [*files, *self.template_files]
+        if templates.exists() and outside(templates):
+            read.append(templates)
+        for p in [self.path / "config.json", *read]:  # config.json is rewritten into every output too
+            if outside(p):
+                where = p.name if p.parent == self.path else f"{p.parent.name}/{p.name}"
+                raise UsageError(f"{where} in {self.path.name} is a link to a file outside the model directory",
                                  "replace the link with a copy of the file if it belongs to the model, or remove it")
+        for p in read:
+            if p.is_file():
+                check_size(p, MAX_SIDE_FILE_BYTES)
         return files
+
+    @property
+    def template_files(self) -> list[Path]:
+        """The chat templates transformers may read besides the tokenizer files: chat_template.json and every file in
+        additional_chat_templates/ (copied into no output)."""
+        out = [self.path / TEMPLATE_FILE] if (self.path / TEMPLATE_FILE).is_file() else []
+        d = self.path / TEMPLATE_DIR
+        if d.is_dir():
+            out += sorted(p for p in d.iterdir())
+        return out
 
     def _index_pickle(self) -> dict[str, Path]:
         out = {}
@@ -199,14 +297,25 @@ class ModelSource:
     def tensor(self, name: str, mapped: bool = False) -> torch.Tensor:
         """The tensor, read; mapped: mapped from its safetensors file instead where it can be
         (qtk.io.safetensors.SafetensorsFile.map_tensor: private, so writing to it leaves the file as it is)."""
-        p = self.weight_map.get(name)
+        if self.quant is not None and name in self.quant.scales:  # one FP8 weight dequantized, as it is read
+            return self.quant.dequantize(self._read(name, mapped), self._read(self.quant.scales[name], mapped), self.dtype)
+        return self._read(name, mapped)
+
+    def _file(self, name: str) -> Path | None:
+        """The weight file that holds `name` (an FP8 source's scales included), None when none does."""
+        return self.weight_map.get(name) or (self.quant.hidden.get(name) if self.quant is not None else None)
+
+    def _read(self, name: str, mapped: bool = False) -> torch.Tensor:
+        """The tensor as it is stored."""
+        p = self._file(name)
         if p is None:
             raise UsageError(f"tensor {name} is missing from {self.path.name}", "the checkpoint is incomplete: re-download it")
         h = self._open(p)
+        disk = self._disk.get(name, name)
         try:
             if isinstance(h, dict):
-                return h[name]
-            return h.map_tensor(name) if mapped else h.get_tensor(name)
+                return h[disk]
+            return h.map_tensor(disk) if mapped else h.get_tensor(disk)
         except Exception as e:
             raise UsageError(f"cannot read tensor {name} from {p.name} ({e})", "the shard is truncated or corrupt: re-download it") from None
 
@@ -217,19 +326,20 @@ class ModelSource:
         if p is None:
             raise UsageError(f"tensor {name} is missing from {self.path.name}", "the checkpoint is incomplete: re-download it")
         h = self._open(p)
-        if isinstance(h, dict):
+        if isinstance(h, dict) or (self.quant is not None and name in self.quant.scales):  # in memory, or dequantized
             t = self.tensor(name)
             if check is not None:
                 check(t)
             return t
-        return h.stored(name, check)
+        return h.stored(self._disk.get(name, name), check)
 
     @property
     def files(self) -> list[Path]:
         """Every file that defines the model: config, tokenizer, generation config, weights."""
-        names = {"config.json", "generation_config.json", *TOKENIZER_FILES, "model.safetensors.index.json"}
+        names = {"config.json", "generation_config.json", *TOKENIZER_FILES, *PROCESSOR_FILES, "model.safetensors.index.json"}
         out = [self.path / n for n in sorted(names) if (self.path / n).is_file()]
-        return out + sorted(set(self.weight_map.values()))
+        hidden = self.quant.hidden.values() if self.quant is not None else ()
+        return out + sorted({*self.weight_map.values(), *hidden})
 
     def file_hashes(self) -> dict[str, str]:
         out = {}
@@ -249,7 +359,8 @@ class ModelSource:
     def side_files(self) -> list[Path]:
         """What every output copies from the model directory besides the weights."""
         gen = self.path / "generation_config.json"
-        return self.tokenizer_files + ([gen] if gen.is_file() else [])
+        processor = [self.path / n for n in PROCESSOR_FILES if (self.path / n).is_file()]
+        return self.tokenizer_files + ([gen] if gen.is_file() else []) + processor
 
     def tokenizer(self):
         if not any(p.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for p in self.tokenizer_files):
@@ -257,8 +368,9 @@ class ModelSource:
                              "copy the tokenizer files into the model directory, or use a recipe that needs no calibration")
         from transformers import AutoTokenizer
 
-        try:
-            return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code)
+        try:  # local_files_only: a model directory is all qtk reads, whatever its files name
+            return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code,
+                                                 local_files_only=True)
         except Exception as e:  # tokenizers/transformers raise many types for corrupt files
             raise UsageError(f"the tokenizer in {self.path.name} cannot be loaded ({_one_line(e)})",
                              "restore the model's original tokenizer files") from None
@@ -270,22 +382,26 @@ class ModelSource:
         from transformers import AutoConfig
 
         try:
-            return AutoConfig.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code)
+            cfg = AutoConfig.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code,
+                                             local_files_only=True)
         except Exception as e:  # includes huggingface_hub's strict-dataclass validation errors
             raise UsageError(f"config.json cannot be read by transformers ({_one_line(e)})", "restore the model's original config.json") from None
+        if self.quant is not None and hasattr(cfg, "quantization_config"):  # the model read is the dequantized one
+            del cfg.quantization_config
+        return cfg
 
     @property
     def dtype(self) -> torch.dtype:
         name = self.config_dict.get("dtype") or self.config_dict.get("torch_dtype")
-        if name in DTYPES:
+        if isinstance(name, str) and name in DTYPES:
             return DTYPES[name]
-        first = next(iter(self.weight_map))
-        return self.tensor(first).dtype
+        stored = [n for n in self.weight_map if self.quant is None or n not in self.quant.scales]
+        return self._stored_dtype(stored[0] if stored else next(iter(self.weight_map)))
 
     @property
     def num_layers(self) -> int:
-        n = self.config_dict.get("num_hidden_layers")  # config.json's own number: no transformers import
-        return n if isinstance(n, int) and not isinstance(n, bool) else int(self.config.num_hidden_layers)
+        n = text_config(self.config_dict).get("num_hidden_layers")  # config.json's own number: no transformers import
+        return n if isinstance(n, int) and not isinstance(n, bool) else int(self.config.get_text_config().num_hidden_layers)
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.arch.layers}.{i}."
@@ -308,7 +424,7 @@ class ModelSource:
         if self._skeleton is None:  # built once: `qtk convert` checks it before any work, then runs on it
             from qtk.model.layout import Layout
 
-            model = meta_skeleton(self.config, trust_remote_code=self.trust_remote_code)
+            model = self.skeleton_model()
             self._layout = Layout.of_model(model, self.arch)
             self._check_tensors(self._layout)
             self._skeleton = model
@@ -331,13 +447,21 @@ class ModelSource:
 
     def shape(self, name: str) -> list[int]:
         """A tensor's shape from the file header, without reading its data."""
-        h = self._open(self.weight_map[name])
-        return list(h[name].shape) if isinstance(h, dict) else h.shape(name)
+        h = self._open(self._file(name) or self.weight_map[name])  # KeyError when no file holds it
+        disk = self._disk.get(name, name)
+        return list(h[disk].shape) if isinstance(h, dict) else h.shape(disk)
 
     def tensor_dtype(self, name: str) -> torch.dtype:
-        """A tensor's dtype from the file header, without reading its data."""
-        h = self._open(self.weight_map[name])
-        return h[name].dtype if isinstance(h, dict) else h.dtype(name)
+        """A tensor's dtype as `tensor` returns it (a dequantized FP8 weight: the model dtype), from the file header."""
+        if self.quant is not None and name in self.quant.scales:
+            return self.dtype
+        return self._stored_dtype(name)
+
+    def _stored_dtype(self, name: str) -> torch.dtype:
+        """A tensor's dtype on disk, from the file header, without reading its data."""
+        h = self._open(self._file(name) or self.weight_map[name])  # KeyError when no file holds it
+        disk = self._disk.get(name, name)
+        return h[disk].dtype if isinstance(h, dict) else h.dtype(disk)
 
     def _check_tensors(self, layout) -> None:
         self._check_unknown_tensors(layout)
@@ -388,6 +512,15 @@ class ModelSource:
             if check_finite and t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                 raise UsageError(f"tensor {prefix + k} contains NaN or Inf values", "the source checkpoint is corrupt; fix or re-download it")
             sd[k] = t
+        # persistent buffers the checkpoint holds (DeepSeek's router e_score_correction_bias) are the model's values,
+        # not the skeleton's initial ones: loaded in their stored dtype (a routing bias is kept in float32)
+        for k, b in mod.state_dict().items():
+            if k not in expected and prefix + k in self.weight_map:
+                t = self.tensor(prefix + k)
+                if tuple(t.shape) != tuple(b.shape):
+                    raise UsageError(f"tensor {prefix + k} has shape {list(t.shape)} but config.json implies {list(b.shape)}",
+                                     "the weights do not belong to this config.json")
+                sd[k] = t if device is None else t.to(device)
         mod.load_state_dict(sd, strict=False, assign=True)
         if device is not None:
             mod.to(device)  # the buffers the skeleton computed (rotary tables) follow the parameters
@@ -397,6 +530,14 @@ class ModelSource:
         """Decoder layer i materialised from disk in `dtype` on `device` (default: the CPU), NaN/Inf refused."""
         layers = skeleton.get_submodule(self.arch.layers)
         return self.load_module(layers[i], self.layer_prefix(i), dtype, check_finite=True, device=device)
+
+
+def check_size(p: Path, limit: int) -> None:
+    """Refuse a side file larger than any model's (the tokenizer would parse it whole, and the output copy it)."""
+    from qtk.bounds import check_size as bounded
+
+    where = p.name if p.parent.name != TEMPLATE_DIR else f"{TEMPLATE_DIR}/{p.name}"
+    bounded(p, limit, where, "restore the model's original file (a tokenizer or template file is at most tens of MB)")
 
 
 def _one_line(e: BaseException) -> str:

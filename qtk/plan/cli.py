@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from qtk.errors import CheckFailed, UsageError
-from qtk.plan.hardware import DEFAULT_GPU, GB, gpu_names
+from qtk.plan.hardware import DEFAULT_GPU, gpu_names
 
 
 @click.command("plan")
@@ -41,68 +40,28 @@ from qtk.plan.hardware import DEFAULT_GPU, GB, gpu_names
 @click.option("--convert-processes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes of the conversion (torchrun --nproc-per-node).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def plan(model, recipe_names, recommend, gpu, gpu_mem, gpu_bw, price, tp, tp_efficiency, context, concurrency,
-         utilization, overhead_gb, dtype, headroom, workload, api_price, convert_on, convert_processes, as_json):
+def plan(model, recipe_names, as_json, **options):
     """Plan serving MODEL (a model directory or its config.json) from its config alone.
 
     Exits 1 when the plan does not fit (or, with --recommend, when no recipe fits).
     """
     from rich.console import Console
 
-    from qtk.plan.decide import recommend as decide
-    from qtk.plan.hardware import get_gpu
-    from qtk.plan.memory import ModelShape, read_config
-    from qtk.plan.planner import Deployment, make_plan
+    from qtk import api
+    from qtk.plan.planner import NoRecipeFits, PlanOptions
     from qtk.plan.render import render_decision, render_plan, to_json
-    from qtk.recipe import load_recipe
 
-    names = [n for n in recipe_names if n != "none"]
-    if not recommend and len(recipe_names) > 1:
-        raise UsageError(f"--recipe given {len(recipe_names)} times", "plan one recipe at a time, or add --recommend to choose among them")
-    if overhead_gb < 0:
-        raise UsageError(f"--overhead-gb must be >= 0, got {overhead_gb}", "e.g. --overhead-gb 1.5")
-    if not 0 <= headroom < 1:
-        raise UsageError(f"--headroom must be in [0, 1), got {headroom}", "e.g. --headroom 0.1")
-    if api_price is not None and api_price <= 0:
-        raise UsageError(f"--api-price must be positive, got {api_price}", "give USD per 1M output tokens, e.g. --api-price 0.6")
-    shape = ModelShape.from_config(read_config(model))
-    dep = Deployment(gpu=get_gpu(gpu, mem_gb=gpu_mem, bandwidth_tb_s=gpu_bw, price=price), context=context,
-                     concurrency=concurrency, tp=tp, utilization=utilization, overhead=int(overhead_gb * GB),
-                     tp_efficiency_per_doubling=tp_efficiency, dtype=dtype)
     console = Console(highlight=False)
-
-    if recommend:
-        extra = {}
-        for n in names:
-            r = load_recipe(n)
-            extra[r.name if r.name not in extra and r.name not in shipped_names() else n] = r
-        decision = decide(shape, dep, min_headroom=headroom, workload=workload, extra=extra)
-        if decision.chosen is None:
-            if as_json:
-                click.echo(to_json(decision=decision))
-            else:
-                render_decision(console, decision)  # the table of reasons; the verdict is the error line below
-            raise CheckFailed(decision.reason, "use more GPUs (--tp), a shorter --context or a lower --concurrency")
-        p = make_plan(shape, decision.recipe, dep, recipe_name=decision.chosen, api_usd_per_1m=api_price, decision=decision,
-                      convert_on=convert_on, convert_processes=convert_processes)
-    else:
-        recipe = load_recipe(names[0]) if names else None
-        p = make_plan(shape, recipe, dep, api_usd_per_1m=api_price, convert_on=convert_on,
-                      convert_processes=convert_processes)
-
+    try:
+        p = api.plan(model, list(recipe_names), PlanOptions(**options))
+    except NoRecipeFits as e:
+        if as_json:
+            click.echo(to_json(decision=e.decision))
+        else:
+            render_decision(console, e.decision)  # the table of reasons; the verdict is the error line
+        raise
     if as_json:
         click.echo(to_json(p))
     else:
         render_plan(console, p)
-    m = p.memory
-    if not m.fits:
-        fix = (f"serve at most {m.max_concurrency} concurrent (--concurrency {m.max_concurrency})" if m.max_concurrency
-               else "use more GPUs (--tp), a shorter --context, or a smaller recipe (try --recommend)")
-        raise CheckFailed(f"{p.recipe_name} does not fit on {dep.describe()}: needs {m.needed / GB:.1f} GB per GPU "
-                          f"of {m.budget / GB:.1f} GB", fix)
-
-
-def shipped_names() -> set[str]:
-    from qtk.recipe import builtin_recipes
-
-    return set(builtin_recipes())
+    p.check_fit()

@@ -2,29 +2,19 @@
 one or several processes (torchrun), from the model's shapes and a cost model.
 
 Time = the larger of disk time (source read once, output written once: layers are read ahead and written behind
-while they compute) and compute time (calibration forwards, GPTQ solves, or a data-free recipe's streaming), divided
-over the processes; plus the Hessians' all-reduce between processes. The constants and where they were measured:
+while they compute) and compute time (calibration forwards, each step's own work as the step declares it
+(qtk.recipe.params: StepParams.cost), or a data-free recipe's streaming), divided over the processes; plus the
+solvers' all-reduce between processes. The constants and where they were measured:
 
-- CPU_*: benchmarks/convert_cost.py on the 2-core CPU machine this was written on, an AMD EPYC VM with
-  AVX512-BF16 (benchmarks/results/convert_cost.json, hidden 2048, the median of three runs of 620-727 GFLOP/s:
-  bf16 GEMM 705 GFLOP/s, fp32 GPTQ 48 GFLOP/s, read 1.6 GB/s, write 0.42 GB/s with fsync, 2 torch threads; an
-  earlier machine without AVX512-BF16 measured 3.1 GFLOP/s, 0.45, 292 MB/s and 175 MB/s). A different CPU:
-  rerun it and scale.
-- CPU_STREAM_PARAMS_PER_S: a data-free recipe's stream (qtk.pipeline.stream: rounding by qtk's native kernels,
-  qtk.quant.native, with the decode and error in the same pass; packing, the copies to and from the page cache, the
-  self-check reading every written Linear back, the write-back to the disk it overlaps) per parameter of the decoder
-  layers, by weight format: benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus the 2-layer run
-  over 4 layers of 218.1M parameters (medians of 3, 2 cores, page cache warm, freed memory settled;
-  benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`; re-measured 2026-12-03 (the third run that day) on a
-  2-core Intel Xeon VM with AVX-512, after the stream mapped its source tensors: 755-1985 M params/s, near the
-  rounding kernels' own rate on 2 threads, in a quiet spell of that VM (its floors 1.9-2.6 s where the afternoon's
-  were 3.4 s). The afternoon's run of the code before measured 223-768 and the morning's 399-735, and the
-  fourth run, of this code, 356-1377 (benchmarks/results/convert_io_datafree_llama3_8b_rerun.json): per-layer
-  slopes vary 2-5x with the VM's load, so for a loaded machine take these as the fast end. Without the native kernels (no
-  C compiler) the rounding runs 3-4x slower than these figures assume. CPU_PROCESS_BYTES, by weight format: the host
-  memory of that stream beside two layers of source tensors and one of output (the interpreter, torch, qtk, the
-  64 MiB copy buffers, recycled code buffers, the packing's and the self-check's temporaries), what that format's
-  6-layer run left over in that file's peak RSS, rounded up to 10 MB.
+- CPU_*: benchmarks/convert_cost.py on a 2-core AVX512-BF16 CPU VM (benchmarks/results/convert_cost.json: bf16 GEMM,
+  fp32 GPTQ solves, disk read and write with fsync, 2 torch threads). A different CPU: rerun it and scale.
+- CPU_STREAM_PARAMS_PER_S: a data-free recipe's stream (qtk.pipeline.stream: rounding by qtk's native kernels, the
+  decode and error in the same pass, packing, the page-cache copies, the self-check reading every written Linear back,
+  the write-back it overlaps) per parameter of the decoder layers, by weight format (Format.stream_key; a format not
+  measured is planned at the slowest rate): benchmarks/convert_io.py on Llama-3-8B's shapes, the 6-layer run minus
+  the 2-layer run (benchmarks/results/convert_io_datafree_llama3_8b.json, its `per_layer`, on a quiet VM: a loaded
+  one is several times slower, as is the torch path without a C compiler). CPU_PROCESS_BYTES, by weight format: the
+  host memory of that stream beside two layers of source tensors and one of output, from the same runs' peak RSS.
 - GPU_*: NOT measured (no GPU was available): fractions of the GPU's dense bf16 peak (qtk.plan.hardware) assumed
   for calibration forwards (35 %) and GPTQ's fp32 solves (3 %: fp32 without TF32, small triangular solves);
   benchmarks/convert_gpu.py measures what they should be replaced with.
@@ -34,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qtk.plan.memory import DTYPE_BYTES, ConversionMemory, ModelShape, model_tensors, scheme_of
+from qtk.plan.memory import DTYPE_BYTES, ConversionMemory, ModelShape, model_tensors, scheme_of, step_costs
+from qtk.quant.formats import format_for
 
 CPU_GEMM_FLOPS = 705e9
 CPU_SOLVE_FLOPS = 48e9
@@ -50,17 +41,13 @@ GPU_LINK_BPS = 50e9  # NCCL all-reduce bandwidth between GPUs (assumed; NVLink n
 CPU_LINK_BPS = 1e9  # gloo on one host (assumed)
 
 
-def stream_format(scheme) -> str:
-    """The key of CPU_STREAM_PARAMS_PER_S a weight scheme (qtk.quant.scheme.QuantScheme) streams at."""
-    if scheme.is_nvfp4:
-        return "nvfp4"
-    if scheme.is_mx:
-        return "mx"
-    if scheme.strategy == "block":
-        return "fp8-block"
-    if scheme.is_fp8:
-        return "fp8"
-    return "int8" if scheme.num_bits == 8 else "int4"
+def stream_rate(scheme) -> tuple[float, float]:
+    """(parameters per second, process bytes) of the data-free stream for a weight scheme on the CPU: its format's
+    measurement (Format.stream_key), or the slowest measured one for a format without its own."""
+    key = format_for(scheme).stream_key(scheme)
+    if key in CPU_STREAM_PARAMS_PER_S:
+        return CPU_STREAM_PARAMS_PER_S[key], CPU_PROCESS_BYTES[key]
+    return min(CPU_STREAM_PARAMS_PER_S.values()), max(CPU_PROCESS_BYTES.values())
 
 
 @dataclass
@@ -90,39 +77,29 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
     notes = []
     forward = solve = reduce_bytes = stream = 0.0
     data_free = recipe is not None and not recipe.needs_calibration
-    formats = set()
+    process_bytes = []
     if data_free:
         # data-free: each quantized Linear streams once (the rest is copied, part of the disk time)
         for x in lin:
             sch = scheme_of(recipe, x.name)
             if sch is not None:
-                fmt = stream_format(sch.weights)
-                formats.add(fmt)
+                rate, held = stream_rate(sch.weights)
+                process_bytes.append(held)
                 n = x.numel
                 stream += (n * 3 / GPU_HOST_LINK_BPS if gpu is not None  # 2 bytes there, about 1 back
-                           else n / CPU_STREAM_PARAMS_PER_S[fmt])
+                           else n / rate)
     elif recipe is not None:
         n, t = recipe.calibration.num_samples, recipe.calibration.seq_len
         tokens = n * t
-        steps = set(recipe.step_names)
-        # forwards of each layer over every token: the propagation, plus one per step that observes its inputs
-        passes = 1 + sum(1 for st in ("gptq", "smoothquant", "awq") if st in steps)
+        costs = step_costs(s, recipe, n, t)
+        # forwards of each layer over every token: the propagation, plus each pass a step makes over its inputs
+        passes = 1 + sum(c.input_passes for c in costs)
         if recipe.activations is not None and not recipe.activations.dynamic:
             passes += 1  # static activation ranges are observed
         attention = 4 * tokens * t * s.hidden  # QK^T and AV of each window
-        forward = passes * (2 * layer_params * tokens + attention) * layers
-        if "gptq" in steps:
-            groups = {}
-            for x in lin:
-                if scheme_of(recipe, x.name) is None:
-                    continue
-                key = (x.layer, x.input_group)
-                rows, inn = groups.get(key, (0, x.shape[1]))
-                groups[key] = (rows + x.shape[0] * x.count, inn)
-            solve = sum(inn ** 3 + rows * inn ** 2 for rows, inn in groups.values())
-            reduce_bytes = sum(4 * inn * inn for _, inn in groups.values())
-        if "awq" in steps:
-            forward += 20 * 2 * layer_params * min(tokens, 4096) * layers  # the scale grid on the token sample
+        forward = passes * (2 * layer_params * tokens + attention) * layers + sum(c.forward_flops for c in costs)
+        solve = sum(c.solve_flops for c in costs)
+        reduce_bytes = sum(c.reduce_bytes for c in costs)
     if gpu is None:
         gemm, solve_rate, link, name = CPU_GEMM_FLOPS, CPU_SOLVE_FLOPS, CPU_LINK_BPS, "cpu"
     else:
@@ -143,17 +120,17 @@ def estimate_conversion(s: ModelShape, recipe, mem: ConversionMemory, source_byt
         src_layer = layer // 4 * DTYPE_BYTES[s.dtype]
         outer = sum(x.numel for x in specs if x.layer is None) * DTYPE_BYTES[s.dtype]  # copied as they are
         out_layer = max(output_bytes - outer, 0) // layers
-        host = max(CPU_PROCESS_BYTES[f] for f in formats or {"fp8"}) + 2 * src_layer + out_layer
+        host = max(process_bytes or [CPU_PROCESS_BYTES["fp8"]]) + 2 * src_layer + out_layer
         device_peak = 0 if gpu is None else 2 * src_layer
         notes.append("no calibration: the layers stream through one process" + (" (rank 0; the others wait)" if p > 1 else ""))
         return ConversionEstimate(name, p, int(host), int(device_peak), seconds, parts, tuple(notes))
     if gpu is None:
-        host = mem.embeddings + 2 * layer + per_process_acts + mem.hessians + mem.awq_cache
+        host = mem.embeddings + 2 * layer + per_process_acts + mem.solver_state
         device_peak = 0
     else:
         # one layer (+ the next read ahead) and its solver state on the GPU, the activations while they fit
-        device_peak = min(2 * layer + mem.hessians + mem.awq_cache + per_process_acts, int(gpu.mem_bytes * 0.9))
-        spilled = max(0, 2 * layer + mem.hessians + mem.awq_cache + per_process_acts - device_peak)
+        device_peak = min(2 * layer + mem.solver_state + per_process_acts, int(gpu.mem_bytes * 0.9))
+        spilled = max(0, 2 * layer + mem.solver_state + per_process_acts - device_peak)
         host = mem.embeddings + layer + spilled  # the layer read ahead and the one written behind, 16-bit
         if spilled:
             notes.append(f"{spilled / 1e9:.1f} GB of calibration activations per process wait in pinned host memory")

@@ -16,12 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from qtk.quant.scheme import Strategy
 from qtk.plan.hardware import GB
 from qtk.plan.memory import MemoryPlan, ModelShape, WeightBytes
 from qtk.plan.deployment import Deployment, check_deployment, evaluate
+from qtk.plan.serving import TensorCores, weight_label, w4a8_kind  # noqa: F401 (w4a8_kind: part of the tree's vocabulary)
+from qtk.recipe.params import STEP_PARAMS
 
 DEFAULT_MIN_HEADROOM = 0.10  # of the budget: the activation and overhead figures are estimates
-CALIBRATED = ("gptq", "awq", "smoothquant")
 RISKY_WORKLOADS = ("math", "code")
 GRANULARITY = {"group": 0, "tensor_group": 0, "block": 1, "channel": 1, "tensor": 2}
 
@@ -38,7 +40,7 @@ class RecipeClass:
     w4a8_kind: str | None  # "fp8-dynamic" (vLLM, Hopper), "fp8-static" (TensorRT-LLM W4A8_AWQ, Ada/Hopper), "int8"
     kv8: bool
     weight_only: bool
-    calibrated: str | None  # the calibrating step (gptq/awq/smoothquant), None for round-to-nearest
+    calibrated: str | None  # the first step that looks at calibration data (its needs_data), None for round-to-nearest
     granularity: int
     symmetric: bool
     static_activations: bool
@@ -46,18 +48,17 @@ class RecipeClass:
     @classmethod
     def of(cls, recipe) -> "RecipeClass":
         w, a = recipe.weights, recipe.activations
+        cores = TensorCores.of(recipe)  # what the engines run it on (qtk.plan.serving)
         return cls(
             weight_bits=w.num_bits,
-            fp8=w.is_fp8 or (a is not None and a.is_fp8),
-            fp4=w.is_fp4 or (a is not None and a.is_fp4),
-            mxfp8=w.is_mx and w.num_bits == 8,
+            fp8=cores.fp8,
+            fp4=cores.fp4,
+            mxfp8=cores.mxfp8,
             w4a8=w.type == "int" and w.num_bits == 4 and a is not None,
             w4a8_kind=w4a8_kind(recipe),
             kv8=recipe.kv_cache is not None,
-            # vLLM's MXFP8 GEMM on Blackwell (the only GPUs MXFP8 is recommended on) quantizes the activations of a
-            # weight-only MXFP8 checkpoint too
-            weight_only=recipe.activations is None and not (w.is_mx and w.num_bits == 8),
-            calibrated=next((s for s in recipe.step_names if s in CALIBRATED), None),
+            weight_only=cores.weight_only,
+            calibrated=next((s for s in recipe.step_names if STEP_PARAMS[s].needs_data), None),
             granularity=GRANULARITY.get(w.strategy, 3),
             symmetric=w.symmetric,
             static_activations=recipe.static_activations,
@@ -75,18 +76,6 @@ class RecipeClass:
                 self.granularity, 0 if self.symmetric else 1, 1 if self.static_activations else 0)
 
 
-def w4a8_kind(recipe) -> str | None:
-    """Which W4A8 a recipe is, which decides where it runs: "fp8-dynamic" (per-token FP8: vLLM's CUTLASS W4A8, Hopper),
-    "fp8-static" (per-tensor static FP8: TensorRT-LLM's W4A8_AWQ, Ada and Hopper), "int8" (per-token INT8: vLLM's
-    CompressedTensorsW4A8Int, CPUs and Intel XPUs), or None."""
-    w, a = recipe.weights, recipe.activations
-    if a is None or w.type != "int" or w.num_bits != 4:
-        return None
-    if a.is_fp8:
-        return "fp8-dynamic" if a.dynamic else "fp8-static"
-    return "int8" if a.type == "int" else None
-
-
 def w4a8_excluded(kind: str | None, gpu) -> str | None:
     """Why a W4A8 recipe cannot run on `gpu` (None: it can, or it is no W4A8)."""
     if kind == "fp8-dynamic" and not gpu.w4a8_fp8:
@@ -101,7 +90,7 @@ def w4a8_excluded(kind: str | None, gpu) -> str | None:
 
 
 @dataclass
-class Candidate:
+class Considered:
     name: str
     recipe: object | None
     error: str | None = None
@@ -127,12 +116,12 @@ class Candidate:
 class Decision:
     chosen: str | None
     reason: str
-    candidates: list[Candidate]
+    candidates: list[Considered]
     warnings: list[str] = field(default_factory=list)
     baseline: MemoryPlan | None = None  # the unquantized model, for reference
 
     @property
-    def candidate(self) -> Candidate | None:
+    def candidate(self) -> Considered | None:
         return next((c for c in self.candidates if c.name == self.chosen), None)
 
     @property
@@ -176,9 +165,10 @@ def with_kv_cache(recipe, kv_type: str | None, name: str):
     recipe file a user would write: the base recipe's YAML with its kv_cache and name replaced, parsed again."""
     import yaml
 
+    from qtk.bounds import load_yaml
     from qtk.recipe import parse_recipe
 
-    doc = yaml.safe_load(recipe.text) if recipe.text else None
+    doc = load_yaml(recipe.text, f"recipe {recipe.name}") if recipe.text else None
     if not isinstance(doc, dict):  # a recipe built in code has no text: derive it from its fields
         from dataclasses import replace
 
@@ -241,7 +231,7 @@ def untiled(s: ModelShape, recipe, tp: int = 1) -> str | None:
     for _, group in groupby(linears, key=lambda t: (t.layer, t.input_group)):
         group = list(group)
         m = scheme_of(recipe, group[0].name)
-        if m is None or m.weights.strategy != "block":
+        if m is None or m.weights.strategy != Strategy.BLOCK:
             continue
         block = tuple(m.weights.block_structure)
         tag = group[0].input_group
@@ -305,14 +295,14 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
     recipes = {**(shipped_recipes() if recipes is None else recipes), **(extra or {})}
     gpu = dep.gpu
     pool = kv_variants(recipes, gpu) if combine_kv else [(n, r, None) for n, r in sorted(recipes.items())]
-    cands: list[Candidate] = []
+    cands: list[Considered] = []
     for name, r, parent in pool:
         if isinstance(r, Exception):
-            cands.append(Candidate(name, None, error=str(r), status="error", reason=f"could not be loaded: {r}"))
+            cands.append(Considered(name, None, error=str(r), status="error", reason=f"could not be loaded: {r}"))
             continue
         k = RecipeClass.of(r)
         w, m = evaluate(s, r, dep)
-        c = Candidate(name, r, klass=k, weights=w, memory=m, derived_from=parent)
+        c = Considered(name, r, klass=k, weights=w, memory=m, derived_from=parent)
         if k.fp4 and not gpu.fp4:
             c.status = "excluded"
             c.reason = f"FP4 needs Blackwell's FP4 tensor cores (B200, RTX 50); {gpu.label} ({gpu.generation}) has none"
@@ -356,8 +346,7 @@ def recommend(s: ModelShape, dep: Deployment, recipes: Mapping[str, object] | No
     best = ok[0]
     best.status = "chosen"
     k = best.klass
-    wdesc = ("NVFP4" if best.recipe.weights.is_nvfp4 else f"MXFP{k.weight_bits}" if best.recipe.weights.is_mx
-             else f"FP{k.weight_bits}" if best.recipe.weights.type == "float" else f"INT{k.weight_bits}")
+    wdesc = weight_label(best.recipe.weights)
     best.reason = (f"{wdesc} weights{' + 8-bit KV cache' if k.kv8 else ''} fit with {_pct(best.memory.headroom_fraction)} "
                    f"headroom ({best.memory.needed / GB:.1f} of {best.memory.budget / GB:.1f} GB per GPU); "
                    + (f"the unquantized model also fits ({_pct(base.headroom_fraction)} headroom)" if base.fits

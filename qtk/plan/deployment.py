@@ -86,10 +86,3 @@ def evaluate(s: ModelShape, recipe, dep: Deployment) -> tuple[WeightBytes, Memor
                     concurrency=dep.concurrency, tp=dep.tp, utilization=dep.utilization, overhead=dep.overhead,
                     batched_tokens=dep.batched_tokens)
     return w, m
-
-
-def activation_type(recipe) -> str | None:
-    """GEMM input type the engine runs: fp8 / int8 when activations are quantized, else 16-bit."""
-    if recipe is None or recipe.activations is None:
-        return None
-    return "fp4" if recipe.activations.is_fp4 else recipe.activations.type

@@ -7,7 +7,6 @@ from the Linear shapes the config implies; tests check them against meta-device 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -16,6 +15,9 @@ from typing import Iterable, Mapping
 
 from qtk.errors import UsageError
 from qtk.model.arch import TRAITS, Traits
+from qtk.model.config_check import read_config_json
+from qtk.quant.formats import format_for
+from qtk.quant.formats.base import input_scale_key
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -25,7 +27,6 @@ DEFAULT_BATCHED_TOKENS = 8192
 # CUDA context, cuBLAS/NCCL workspaces and CUDA graphs, outside the weights / KV / activations
 DEFAULT_OVERHEAD_BYTES = int(1.5e9)
 DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
-MAX_CONFIG_BYTES = 16 * 2**20  # real config.json files are a few KB; a multimodal one with a vocabulary map < 1 MB
 
 
 def read_config(path: str | Path) -> dict:
@@ -36,23 +37,7 @@ def read_config(path: str | Path) -> dict:
         raise UsageError(f"no config.json at {p}", "give a model directory or the path to its config.json")
     if f.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf"):
         raise UsageError(f"{f} is a weights file, not a config.json", f"give the model directory ({f.parent}) or its config.json")
-    try:
-        if f.stat().st_size > MAX_CONFIG_BYTES:
-            raise UsageError(f"{f} is {f.stat().st_size:,} bytes, too large for a config.json",
-                             "give the model directory or its config.json")
-        cfg = json.loads(f.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise UsageError(f"{f} is not a config.json (not UTF-8 text)", "give the model directory or its config.json") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{f} is not valid JSON (line {e.lineno})", "fix the file or re-download the model") from None
-    except (ValueError, RecursionError) as e:  # e.g. an integer of more than 4300 digits, or nesting a parser cannot follow
-        raise UsageError(f"{f} cannot be parsed as a config ({type(e).__name__}: {str(e)[:80]})",
-                         "fix the file or re-download the model") from None
-    except OSError as e:
-        raise UsageError(f"cannot read {f} ({e.strerror or e})", "check the path and its permissions") from None
-    if not isinstance(cfg, dict):
-        raise UsageError(f"{f} holds a {type(cfg).__name__}, not a JSON object", "give a Hugging Face config.json")
-    return cfg
+    return read_config_json(f)  # size, encoding, nesting, an object: the checks qtk convert makes
 
 
 def normalize_dtype(name: str | None, default: str = "bfloat16") -> str:
@@ -362,74 +347,39 @@ class DiskTensor:
 
 
 def checkpoint_format(scheme) -> str | None:
-    """compressed-tensors format of a Linear with this ModuleScheme (None: no scheme, dense)."""
+    """compressed-tensors format of a Linear with this ModuleScheme (None: no scheme, dense): its weights' format's."""
     if scheme is None:
         return None
-    w, a = scheme.weights, scheme.activations
-    if w.is_nvfp4:
-        return "nvfp4-pack-quantized"
-    if w.is_mx:
-        return "mxfp4-pack-quantized" if w.num_bits == 4 else "mxfp8-quantized"
-    if w.type == "float":
-        return "float-quantized"
-    return "int-quantized" if a is not None and not a.is_fp8 else "pack-quantized"  # W4A8-FP8 stays packed
+    return format_for(scheme.weights).ct_format(scheme)
 
 
 def _quantized_linear(spec: TensorSpec, scheme, dtype: str) -> list[DiskTensor]:
-    """The tensors one quantized Linear becomes on disk under its ModuleScheme (docs/formats.md, vllm)."""
-    out, inn = spec.shape
-    w = scheme.weights
+    """The tensors one quantized Linear becomes on disk under its ModuleScheme (docs/formats.md, vllm): what its
+    weights' format writes (Format.stored), and its static input scale, named by its activations' format."""
     n, c = spec.name, spec.count
-    fmt = checkpoint_format(scheme)
-    if w.strategy == "tensor":
-        groups = None
-    elif w.strategy == "group":
-        groups = -(-inn // w.group_size)
-    else:
-        groups = 1
-    scale_shape = (1,) if groups is None else (out, groups)
-    ts: list[DiskTensor] = []
-    if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized"):  # FP4 codes two a byte
-        if fmt == "mxfp8-quantized":
-            ts.append(DiskTensor(f"{n}.weight", (out, inn), "float8_e4m3fn", "quantized", c))
-        else:
-            ts.append(DiskTensor(f"{n}.weight_packed", (out, inn // 2), "uint8", "quantized", c))
-        nv = fmt == "nvfp4-pack-quantized"
-        ts.append(DiskTensor(f"{n}.weight_scale", (out, inn // w.group_size), "float8_e4m3fn" if nv else "uint8", "scales", c))
-        if nv:
-            ts.append(DiskTensor(f"{n}.weight_global_scale", (1,), "float32", "scales", c))
-            if scheme.static_activations:
-                ts.append(DiskTensor(f"{n}.input_global_scale", (1,), "float32", "scales", c))
-        return ts
-    if w.strategy == "block":
-        bm, bn = w.block_structure
-        ts.append(DiskTensor(f"{n}.weight", (out, inn), "float8_e4m3fn", "quantized", c))
-        ts.append(DiskTensor(f"{n}.weight_scale", (-(-out // bm), -(-inn // bn)), dtype, "scales", c))
-        return ts
-    if fmt == "float-quantized":
-        ts.append(DiskTensor(f"{n}.weight", (out, inn), "float8_e4m3fn", "quantized", c))
-        ts.append(DiskTensor(f"{n}.weight_scale", scale_shape, "float32", "scales", c))
-    elif fmt == "int-quantized":
-        ts.append(DiskTensor(f"{n}.weight", (out, inn), "int8", "quantized", c))
-        ts.append(DiskTensor(f"{n}.weight_scale", scale_shape, dtype, "scales", c))
-        if not w.symmetric:
-            ts.append(DiskTensor(f"{n}.weight_zero_point", scale_shape, "int8", "scales", c))
-    else:  # pack-quantized: values packed along the input dim into int32 words
-        words = -(-inn * w.num_bits // 32)
-        ts.append(DiskTensor(f"{n}.weight_packed", (out, words), "int32", "quantized", c))
-        ts.append(DiskTensor(f"{n}.weight_scale", scale_shape, dtype, "scales", c))
-        ts.append(DiskTensor(f"{n}.weight_shape", (2,), "int64", "scales", c))
-        if not w.symmetric:
-            zp_rows = 1 if groups is None else -(-out * w.num_bits // 32)  # zero points pack along dim 0
-            ts.append(DiskTensor(f"{n}.weight_zero_point", (zp_rows, groups or 1), "int32", "scales", c))
+    ts = [DiskTensor(f"{n}.{t.key}", t.shape, t.dtype, t.part, c)
+          for t in format_for(scheme.weights).stored(scheme, spec.shape, dtype)]
     if scheme.static_activations:
-        ts.append(DiskTensor(f"{n}.input_scale", (1,), "float32", "scales", c))
+        ts.append(DiskTensor(f"{n}.{input_scale_key(scheme)}", (1,), "float32", "scales", c))
     return ts
+
+
+def unties_embeddings(recipe) -> bool:
+    """Whether a step of `recipe` writes a tied model's lm_head as a tensor of its own (the rotation does, unless the
+    final norm is all ones, which config.json does not say: counted as untied)."""
+    from qtk.recipe.params import STEP_PARAMS
+
+    return recipe is not None and any(getattr(STEP_PARAMS[st.name], "unties_embeddings", False)
+                                      for st in recipe.algorithm)
 
 
 def checkpoint_tensors(s: ModelShape, recipe=None, dtype: str | None = None) -> list[DiskTensor]:
     """Every tensor of the checkpoint `qtk convert` writes for this recipe (None: the dense model)."""
     dtype = normalize_dtype(dtype, s.dtype)
+    if s.tied and unties_embeddings(recipe):
+        from dataclasses import replace
+
+        s = replace(s, tied=False)
     out: list[DiskTensor] = []
     for spec in model_tensors(s):
         scheme = scheme_of(recipe, spec.name) if spec.role == "linear" else None
@@ -616,18 +566,63 @@ def plan_memory(s: ModelShape, weights: WeightBytes, *, mem_bytes: int, kv_bytes
 
 @dataclass(frozen=True)
 class ConversionMemory:
-    """Peak memory of `qtk convert`: one layer in fp32, embeddings, calibration activations, Hessians."""
+    """Peak memory of `qtk convert`: one layer in fp32, embeddings, calibration activations, and what each step holds
+    beside a layer (`steps`: its StepCost.memory_key -> (label, bytes); GPTQ's Hessians, AWQ's input cache)."""
 
     layer_fp32: int
     embeddings: int
     calibration: int
-    hessians: int
-    awq_cache: int
+    steps: dict[str, tuple[str, int]]
     total: int
     notes: tuple[str, ...] = field(default=())
 
+    def step_bytes(self, key: str) -> int:
+        return self.steps.get(key, ("", 0))[1]
+
+    @property
+    def hessians(self) -> int:
+        return self.step_bytes("hessians")
+
+    @property
+    def awq_cache(self) -> int:
+        return self.step_bytes("awq_cache")
+
+    @property
+    def solver_state(self) -> int:
+        """Bytes every step holds beside one layer."""
+        return sum(b for _, b in self.steps.values())
+
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "notes"} | {"notes": list(self.notes)}
+        return {"layer_fp32": self.layer_fp32, "embeddings": self.embeddings, "calibration": self.calibration,
+                "hessians": self.hessians, "awq_cache": self.awq_cache,
+                **{k: b for k, (_, b) in self.steps.items()}, "total": self.total, "notes": list(self.notes)}
+
+
+def model_cost(s: ModelShape, recipe, num_samples: int | None = None, seq_len: int | None = None):
+    """What a step's cost is computed from (qtk.recipe.params.ModelCost): the decoder layers' quantized Linears by
+    input group, from config.json alone."""
+    from qtk.recipe.params import InputGroup, ModelCost
+
+    specs = model_tensors(s)
+    lin = [x for x in specs if x.role == "linear" and x.layer is not None]
+    groups: dict[tuple[int, str], InputGroup] = {}
+    for x in lin:
+        if scheme_of(recipe, x.name) is None:
+            continue
+        key = (x.layer, x.input_group)
+        g = groups.get(key)
+        groups[key] = (InputGroup(x.layer, x.shape[1], x.shape[0] * x.count, x.count) if g is None
+                       else InputGroup(g.layer, g.width, g.rows + x.shape[0] * x.count, g.copies))
+    n = num_samples or recipe.calibration.num_samples
+    t = seq_len or recipe.calibration.seq_len
+    return ModelCost(layers=max(s.layers, 1), layer_params=sum(x.numel for x in lin) / max(s.layers, 1), tokens=n * t,
+                     groups=tuple(groups.values()), widest=max((x.shape[1] for x in lin), default=0))
+
+
+def step_costs(s: ModelShape, recipe, num_samples: int | None = None, seq_len: int | None = None) -> list:
+    """Each listed step's StepCost (its parameters' cost(), qtk.recipe.params), in the recipe's order."""
+    model = model_cost(s, recipe, num_samples, seq_len)
+    return [step.params.cost(model) for step in recipe.algorithm]
 
 
 def conversion_memory(s: ModelShape, recipe=None, *, num_samples: int | None = None,
@@ -641,36 +636,20 @@ def conversion_memory(s: ModelShape, recipe=None, *, num_samples: int | None = N
     layer_fp32 = max(per_layer.values(), default=0) * 4
     embeddings = s.vocab * s.hidden * DTYPE_BYTES[s.dtype]
     notes = []
-    calibration = hessians = awq = 0
+    calibration = 0
+    steps: dict[str, tuple[str, int]] = {}
     if recipe is not None and recipe.needs_calibration:
         n = num_samples or recipe.calibration.num_samples
         t = seq_len or recipe.calibration.seq_len
         # the layer's inputs and outputs for every sample, fp32, swapped after each layer
         calibration = 2 * n * t * s.hidden * 4
         notes.append(f"calibration: {n} samples × {t} tokens × hidden {s.hidden} × 4 B × 2 copies")
-        steps = set(recipe.step_names)
-        if "gptq" in steps:
-            per_layer_h: dict[int, int] = {}
-            largest = 0
-            seen = set()
-            for x in specs:
-                if x.role != "linear" or x.layer is None or scheme_of(recipe, x.name) is None:
-                    continue
-                key = (x.layer, x.input_group)
-                if key in seen:
-                    continue
-                seen.add(key)
-                h = x.shape[1] ** 2 * 4
-                largest = max(largest, h)
-                per_layer_h[x.layer] = per_layer_h.get(x.layer, 0) + h * x.count
-            # one Hessian per distinct Linear input of the layer, plus the inverse being factorised
-            hessians = max(per_layer_h.values(), default=0) + largest
-            notes.append("GPTQ: one in×in fp32 Hessian per distinct Linear input in a layer (per expert for MoE)")
-        if "awq" in steps:
-            widest = max((x.shape[1] for x in specs if x.role == "linear" and x.layer is not None), default=0)
-            awq = n * t * widest * 4
-            notes.append("AWQ: the inputs of the widest Linear group cached for the scale search")
+        for c in step_costs(s, recipe, n, t):
+            if c.memory_key:
+                steps[c.memory_key] = (c.memory_label, c.memory)
+            if c.memory_note:
+                notes.append(c.memory_note)
     else:
         notes.append("no calibration: weights stream layer by layer")
-    total = layer_fp32 + embeddings + calibration + hessians + awq
-    return ConversionMemory(layer_fp32, embeddings, calibration, hessians, awq, total, tuple(notes))
+    total = layer_fp32 + embeddings + calibration + sum(b for _, b in steps.values())
+    return ConversionMemory(layer_fp32, embeddings, calibration, steps, total, tuple(notes))

