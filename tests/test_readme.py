@@ -38,3 +38,16 @@ def test_version():
     assert r.exit_code == 0
     assert r.output.strip() == f"qtk, version {qtk.__version__}"
     assert importlib.metadata.version("qtk") == qtk.__version__  # pyproject reads the version from qtk/__init__.py
+
+
+def test_readme_vllm_cpu_column_is_the_measured_table():
+    """The recipe table's vLLM CPU column says what qtk.plan.serving.vllm_cpu_support says, which the engine tests
+    (tests/engine/test_engine_matrix.py) hold to what the installed vLLM does."""
+    from qtk.plan.serving import vllm_cpu_support
+    from qtk.recipe import builtin_recipes, load_recipe
+
+    text = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([^`]+)` \|.*\| ([✓–]) \|$", text, re.M))
+    assert set(rows) == set(builtin_recipes())
+    for name, cell in rows.items():
+        assert (cell == "✓") == vllm_cpu_support(load_recipe(name)).runs, name
