@@ -37,6 +37,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 # request scores after it, plus the one token the engine samples (and qtk drops); RoPE positions one or two past
 # the config's limit change nothing that is read
 os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+# vLLM's CPU build runs a W4A16 checkpoint as W4A8 on AMX CPUs by default (int4_scaled_mm: activations quantized to
+# int8 per token), which is not the format the checkpoint declares; the check judges the checkpoint's own format
+os.environ.setdefault("VLLM_CPU_INT4_W4A8", "0")
 
 
 def _send(out, obj: dict) -> None:
@@ -139,6 +142,16 @@ class Worker:
         return {"ok": True, "texts": [o.outputs[0].text for o in outs]}
 
 
+def _request_amx() -> None:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM), which a process must hold before its first
+    AMX instruction. vLLM's CPU build never asks: its own AMX kernels (the small-GEMM one for weights under 1 MiB,
+    the W4A16 one) die of SIGILL unless oneDNN asked first, which it does only for GEMMs it runs on tiles itself."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+
+
 def main(argv: list[str]) -> int:
     out = os.fdopen(int(argv[1]), "w", encoding="utf-8")
     try:
@@ -147,6 +160,7 @@ def main(argv: list[str]) -> int:
     except BaseException as e:  # ImportError, a missing shared library, an operator that will not register ...
         _send(out, {"ok": False, "error": type(e).__name__, "message": str(e).strip().splitlines()[0][:500] if str(e) else ""})
         return 1
+    _request_amx()
     _send(out, {"ok": True, "vllm": getattr(vllm, "__version__", "?"), "device": str(current_platform.device_type),
                 "pid": os.getpid()})
     w = Worker()

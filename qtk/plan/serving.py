@@ -290,7 +290,10 @@ def vllm_cpu_support(recipe, *, amx: bool = False) -> CpuSupport:
         return CpuSupport(False, f"no MXFP{w.num_bits} kernel on CPU", rf"MXFP{w.num_bits} linear layer")
     if w.type == "int" and a is None:
         if w.num_bits == 4:
-            return CpuSupport(True, "CPUWNA16" + kv_note)
+            # vLLM's default on AMX quantizes the activations to int8 per token (int4_scaled_mm), not the checkpoint's
+            # 16-bit activations: qtk's engine check turns that off to judge the format the checkpoint declares
+            return CpuSupport(True, "CPUWNA16; on AMX CPUs vLLM runs it as W4A8 (int8 activations) unless "
+                                    "VLLM_CPU_INT4_W4A8=0" + kv_note)
         return CpuSupport(False, f"CPUWNA16 takes 4-bit weights only (uint4, uint4b8), not int{w.num_bits}",
                           r"WNA16 linear layer.*uint8b128")
     if w.type == "int" and a is not None and a.type == "int":

@@ -22,7 +22,9 @@ if __name__ == "__main__":
             k_cache, v_cache = cache.chunk(2, dim=2)
             ops.cpu_attn_reshape_and_cache(key, key.clone(), k_cache, v_cache, torch.tensor([0]), isa,
                                            k_scale=scale, v_scale=scale, kv_cache_dtype="fp8")
-            # the key block is stored transposed (head_dim rows, one column per token slot): token 0 is column 0
-            codes = cache[0, 0, :dim, 0]
+            if isa == "amx":  # AMX tiles take K in pairs of dimensions: row r holds dims 2r, 2r+1 of each token slot
+                codes = cache[0, 0, : dim // 2, 0:2].reshape(-1)
+            else:  # the key block is stored transposed (head_dim rows, one column per token slot): token 0 is column 0
+                codes = cache[0, 0, :dim, 0]
             cases.append({"scale": scale, "x": key[0, 0].float().tolist(), "codes": codes.tolist()})
     print(json.dumps({"isa": isa, "cases": cases}))
