@@ -286,3 +286,57 @@ def test_plan_counts_the_bytes_the_conversion_writes(models, tmp_path, recipe):
     res = api.convert(models["bf16"], recipe, tmp_path / "o", hash_source=False)
     written = sum(t.numel() * t.element_size() for t in read_tensors(res.outputs["vllm"]).values())
     assert weight_bytes(s, load_recipe(recipe)).total == written
+
+
+def _damaged(models, tmp_path, edit, config=None):
+    d = tmp_path / "damaged"
+    d.mkdir()
+    for p in models["mxfp4"].iterdir():
+        (d / p.name).write_bytes(p.read_bytes())
+    sd = load_file(str(d / "model.safetensors"))
+    edit(sd)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    if config is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(config(cfg)))
+    return d
+
+
+@pytest.mark.parametrize("case,edit,config,message", [
+    ("scales missing", lambda sd: sd.pop("model.layers.1.mlp.experts.down_proj_scales"), None,
+     "holds model.layers.1.mlp.experts.down_proj_blocks but not model.layers.1.mlp.experts.down_proj_scales"),
+    ("scales misshapen", lambda sd: sd.update({"model.layers.0.mlp.experts.gate_up_proj_scales":
+                                              sd["model.layers.0.mlp.experts.gate_up_proj_scales"][:, :8].contiguous()}), None,
+     r"MXFP4 experts are blocks \[E, out, in/32, 16\] with scales \[E, out, in/32\]"),
+    ("blocks not bytes", lambda sd: sd.update({"model.layers.0.mlp.experts.down_proj_blocks":
+                                              sd["model.layers.0.mlp.experts.down_proj_blocks"].to(torch.int16)}), None,
+     "model.layers.0.mlp.experts.down_proj_blocks is stored as int16, not uint8"),
+    ("mxfp4 on another family", lambda sd: None, lambda c: {**c, "model_type": "qwen3_moe"},
+     "qtk reads only for gpt-oss's fused MXFP4 experts"),
+])
+def test_damaged_mxfp4_sources_are_refused_before_any_work(models, tmp_path, case, edit, config, message):
+    from qtk.errors import UsageError
+
+    d = _damaged(models, tmp_path, edit, config)
+    with pytest.raises(UsageError, match=message):
+        api.convert(d, "w4a16", tmp_path / "o", hash_source=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_mxfp4_experts_are_decoded_one_expert_at_a_time(models, tmp_path, monkeypatch):
+    """The MXFP4 source is never whole in 16 bits: every decode the conversion makes is one expert's Linear (at most
+    I x H values), never a layer's fused [E, 2I, H], so what the experts cost in memory is one layer's, read as the
+    stream goes (the path FP8-block sources take too, whose peak benchmarks/convert_fp8_source.py measures)."""
+    from qtk.model.prequantized import MXFP4Experts
+
+    sizes = []
+    decode = MXFP4Experts.decode
+
+    def counted(blocks, scales, dtype):
+        out = decode(blocks, scales, dtype)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(MXFP4Experts, "decode", staticmethod(counted))
+    api.convert(models["mxfp4"], "w4a16", tmp_path / "o", hash_source=False)
+    assert len(sizes) >= LAYERS * E * 3 and max(sizes) == INTER * HIDDEN
