@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from fp8_sources import read_tensors
 from models import make_tiny_model
+from mxfp4_sources import make_mxfp4_source
 from qtk import api
 from qtk.export import open_checkpoint
 from qtk.model.source import ModelSource
@@ -28,10 +29,6 @@ CONFIG = dict(model_type="gpt_oss", layers=LAYERS, hidden=HIDDEN, intermediate=I
               num_local_experts=E, num_experts_per_tok=2, sliding_window=16)
 NS, T = 8, 48
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-# OCP e2m1: code c (sign bit 3) -> value; transformers' integrations/mxfp4.py FP4_VALUES in the same order
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
 def _give_values(d):
     """The tiny model's experts get weights as large as its Linears' and every bias, sink and router bias a value
     (the init leaves them zero or small), so a dropped or misplaced one changes the logits."""
@@ -45,54 +42,6 @@ def _give_values(d):
             sd[k] = (torch.randn(t.shape, generator=g) * 0.5).to(t.dtype)
     save_file(sd, str(f), metadata={"format": "pt"})
     return d
-
-
-def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., n] (n a multiple of 32) -> (blocks uint8 [..., n/32, 16], scales uint8 [..., n/32]) as OpenAI's
-    checkpoints store them: per 32 values an E8M0 exponent s (2^(s-127) = 2^(floor(log2 amax) - 2), so the largest
-    value lands in e2m1's top binade), each value the nearest e2m1 code of w / 2^(s-127), two codes per byte with the
-    even element in the low nibble. Written here from the format's definition, independently of qtk."""
-    x = w.float().unflatten(-1, (-1, 32))
-    amax = x.abs().amax(-1)
-    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127)).clamp(-127, 127)
-    y = x / torch.exp2(e)[..., None]
-    codes = (y[..., None] - E2M1).abs().argmin(-1).to(torch.uint8)  # nearest; ties to the lower code
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.contiguous(), (e + 127).to(torch.uint8).contiguous()
-
-
-def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
-    """The values those bytes stand for: e2m1(code) * 2^(s - 127) per 32, rows [..., n]."""
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()
-    return (E2M1[codes] * torch.exp2(scales.float() - 127)[..., None]).flatten(-2).to(dtype)
-
-
-def make_mxfp4_source(bf16, dst):
-    """OpenAI's layout: each layer's fused experts as `{gate_up_proj,down_proj}_{blocks,scales}`, rows out-major
-    ([E, 2I, H/32, 16]: the transpose of transformers' [E, H, 2I], gate/up rows interleaved), biases and the rest in
-    bf16, quantization_config quant_method mxfp4. Returns (the MXFP4 source, the BF16 model it stands for)."""
-    dst.mkdir()
-    sd = load_file(str(bf16 / "model.safetensors"))
-    deq = dict(sd)
-    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        blocks, scales = mxfp4_encode(sd[k].transpose(1, 2))  # [E, out, in]
-        del sd[k]
-        sd[k + "_blocks"], sd[k + "_scales"] = blocks, scales
-        deq[k] = mxfp4_decode(blocks, scales, torch.bfloat16).transpose(1, 2).contiguous()
-    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((bf16 / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
-        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                            "model.embed_tokens", "lm_head"]}}))
-    ref = dst.parent / (dst.name + "-deq")
-    ref.mkdir()
-    save_file(deq, str(ref / "model.safetensors"), metadata={"format": "pt"})
-    for p in bf16.iterdir():
-        if p.suffix != ".safetensors" and p.name != "config.json":
-            for d in (dst, ref):
-                (d / p.name).write_bytes(p.read_bytes())
-    (ref / "config.json").write_text(json.dumps(cfg))
-    return dst, ref
 
 
 @pytest.fixture(scope="module")
@@ -303,18 +252,15 @@ def _damaged(models, tmp_path, edit, config=None):
 
 
 @pytest.mark.parametrize("case,edit,config,message", [
-    ("scales missing", lambda sd: sd.pop("model.layers.1.mlp.experts.down_proj_scales"), None,
-     "holds model.layers.1.mlp.experts.down_proj_blocks but not model.layers.1.mlp.experts.down_proj_scales"),
     ("scales misshapen", lambda sd: sd.update({"model.layers.0.mlp.experts.gate_up_proj_scales":
                                               sd["model.layers.0.mlp.experts.gate_up_proj_scales"][:, :8].contiguous()}), None,
      r"MXFP4 experts are blocks \[E, out, in/32, 16\] with scales \[E, out, in/32\]"),
     ("blocks not bytes", lambda sd: sd.update({"model.layers.0.mlp.experts.down_proj_blocks":
                                               sd["model.layers.0.mlp.experts.down_proj_blocks"].to(torch.int16)}), None,
      "model.layers.0.mlp.experts.down_proj_blocks is stored as int16, not uint8"),
-    ("mxfp4 on another family", lambda sd: None, lambda c: {**c, "model_type": "qwen3_moe"},
-     "qtk reads only for gpt-oss's fused MXFP4 experts"),
 ])
 def test_damaged_mxfp4_sources_are_refused_before_any_work(models, tmp_path, case, edit, config, message):
+    """(More refusals, with their exact lines, in tests/test_bad_inputs.py and docs/errors.md.)"""
     from qtk.errors import UsageError
 
     d = _damaged(models, tmp_path, edit, config)
@@ -340,3 +286,17 @@ def test_mxfp4_experts_are_decoded_one_expert_at_a_time(models, tmp_path, monkey
     monkeypatch.setattr(MXFP4Experts, "decode", staticmethod(counted))
     api.convert(models["mxfp4"], "w4a16", tmp_path / "o", hash_source=False)
     assert len(sizes) >= LAYERS * E * 3 and max(sizes) == INTER * HIDDEN
+
+
+@pytest.mark.parametrize("source", ["bf16", "mxfp4"])
+def test_data_free_conversion_imports_no_transformers(models, tmp_path, source):
+    """The layout config.json implies (sinks, router bias, expert biases) and the per-expert reading of fused or MXFP4
+    experts need no transformers: a data-free conversion of either source never imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from qtk import api; "
+            f"api.convert({str(models[source])!r}, 'fp8-dynamic', {str(tmp_path / 'o')!r}, hash_source=False); "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]

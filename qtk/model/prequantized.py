@@ -195,8 +195,8 @@ class MXFP4Experts:
         self.qc = qc
         self.packed: dict[str, tuple[str, str]] = {}
         self.hidden: dict[str, object] = {}  # blocks and scales: name -> file
-        self.derived: dict[str, Derived] = {}  # filled by split_fused_experts, which knows the family's experts
-        self.scales = self.packed  # what counts as quantized (the manifest's quantized_weights)
+        self.derived: dict[str, Derived] = {}  # none of its own: split_fused_experts, which knows the family's
+        # experts, asks `expert` for each one's weights
 
     @classmethod
     def of(cls, qc: dict, config: dict, name: str) -> "MXFP4Experts":
