@@ -77,6 +77,9 @@ class MoE:
     # up on both sides at swiglu_limit, down((up + 1) * gate * sigmoid(swiglu_alpha * gate))); the clamp is not
     # linear in up, so smoothing up -> down would change the function: no such pair for it
     activation: str = "silu"
+    # vLLM's loader for the family reads quantized experts as per-expert Linears (compressed-tensors' layout); gpt-oss's
+    # (vLLM 0.32 gpt_oss.py) reads them only as MXFP4, quark's fused tensors or its own per-expert w13_* / w2_* names
+    vllm_reads_per_expert: bool = True
 
     @property
     def up_smoothable(self) -> bool:
@@ -228,7 +231,7 @@ GPT_OSS = Arch("gpt_oss", ("gpt_oss",), linears=(Q, K, V, O), fusion_groups=((Q,
                trtllm_architecture=None, vllm_fused=(((Q, K, V), "self_attn.qkv_proj"),), attn_sinks=True,
                moe=MoE("mlp", "gate_proj", "up_proj", "down_proj", router="router", bias=True,
                        fused=FusedExperts(transposed=True, interleaved=True, stored_fused=True),
-                       activation="clamped_swiglu"))
+                       activation="clamped_swiglu", vllm_reads_per_expert=False))
 
 # DeepSeek-V3 / R1 (Kimi-K2's config has this shape under its own model_type, which transformers has no class for:
 # planned, not converted): multi-head latent attention. The query goes
