@@ -261,6 +261,10 @@ def _damaged(models, tmp_path, edit, config=None):
     ("blocks not bytes", lambda sd: sd.update({"model.layers.0.mlp.experts.down_proj_blocks":
                                               sd["model.layers.0.mlp.experts.down_proj_blocks"].to(torch.int16)}), None,
      "model.layers.0.mlp.experts.down_proj_blocks is stored as int16, not uint8"),
+    ("blocks no expert reads", lambda sd: sd.update({
+        "model.layers.0.mlp.shared.gate_up_proj_blocks": sd["model.layers.0.mlp.experts.gate_up_proj_blocks"].clone(),
+        "model.layers.0.mlp.shared.gate_up_proj_scales": sd["model.layers.0.mlp.experts.gate_up_proj_scales"].clone()}),
+     None, r"1 MXFP4 tensor\(s\) belong to no expert of the gpt_oss model"),
 ])
 def test_damaged_mxfp4_sources_are_refused_before_any_work(models, tmp_path, case, edit, config, message):
     """(More refusals, with their exact lines, in tests/test_bad_inputs.py and docs/errors.md.)"""

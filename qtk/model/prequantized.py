@@ -337,4 +337,8 @@ def split_fused_experts(arch, weight_map: dict, shape, quant) -> tuple[dict, dic
                         derived[f"{b}.{e}.{which}.bias"] = Derived((bias,), (n,), slice_of(bias, e, rows, False), True)
                         out[f"{b}.{e}.{which}.bias"] = weight_map[bias]
                 hidden[bias] = out.pop(bias)
+    stray = sorted(set(packed) - {f"{b}.{n}" for b in blocks for n in (f.gate_up, f.down)})
+    if stray:  # MXFP4 tensors no expert reads would be dropped unseen
+        raise UsageError(f"{len(stray)} MXFP4 tensor(s) belong to no expert of the {arch.name} model config.json "
+                         f"describes ({', '.join(stray[:3])})", "check that config.json belongs to these weights")
     return out, derived, hidden
