@@ -43,8 +43,11 @@ ARCH_CONFIGS = {
     "glm4_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
                  "moe_intermediate_size": 128, "n_shared_experts": 1, "first_k_dense_replace": 1, "head_dim": 32,
                  "attention_bias": True, "use_qk_norm": True},
+    # biases on q/k/v/o, a sink logit per head, sliding and full attention alternating; experts with biases and a
+    # clamped SwiGLU, stored fused ([E, H, 2I], gate/up interleaved) by transformers, written per expert by qtk
+    "gpt_oss": {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
 }
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 # recipes a family refuses up front, with the reason's text (checked, so a refusal that changes fails the test)
 REFUSED = {("deepseek_v3", r): "attention is MLA: vLLM caches MLA's compressed latent (kv_lora_rank + "
                                 "qk_rope_head_dim per token), not per-head K and V"
@@ -61,7 +64,12 @@ def _moe_ct_reference(ck, tmp):
     ones: not int-quantized (W8A8 int8, which vLLM loads) nor zero points. For those, compressed-tensors' own
     compressor for the format decodes every quantized module from the written tensors, and transformers loads
     that dense per-expert checkpoint (fusing the experts itself): the same claim, without the loader's gap. The same
-    for NVFP4 / MXFP4 experts."""
+    for NVFP4 / MXFP4 experts.
+
+    gpt-oss: transformers 5 has no per-expert loading for it at all (no conversion mapping: GptOssExperts reads only
+    the fused gate_up_proj [E, H, 2I], gate/up interleaved, and down_proj [E, I, H] with their biases), so the decoded
+    per-expert Linears are put back into that fused layout here (`fuse_as_transformers_stores`), the one step of
+    the reference that is not a library's."""
     import json
 
     from compressed_tensors.compressors import BaseCompressor
@@ -76,11 +84,37 @@ def _moe_ct_reference(ck, tmp):
     for m in ck.modules():
         parts = {k: ck.tensor(f"{m}.{k}") for k in ("weight", "weight_packed", "weight_scale", "weight_shape",
                                                      "weight_zero_point", "weight_global_scale") if ck.has(f"{m}.{k}")}
-        sd[f"{m}.weight"] = compressor.decompress(parts, scheme)["weight"].to(ck.dtype)
+        w = compressor.decompress(parts, scheme)["weight"]
+        # FP8 (float-quantized): transformers' own loader folds the scale into the weight in the dtype it loads in
+        # (float32 here), which is what the engines compute with; packed formats decode in the model dtype
+        sd[f"{m}.weight"] = w.float() if ck.ct_format == "float-quantized" else w.to(ck.dtype)
+    if ck.arch.moe.fused.stored_fused:
+        sd = fuse_as_transformers_stores(sd, ck.arch, ck.hf_config["num_hidden_layers"])
     tmp.mkdir()
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(ck.hf_config))
+    (tmp / "config.json").write_text(json.dumps({k: v for k, v in ck.hf_config.items() if k != "quantization_config"}))
     return AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+
+
+def fuse_as_transformers_stores(sd: dict, arch, layers: int) -> dict:
+    """Per-expert gate/up/down weights and biases (`mlp.experts.{e}.gate_proj.weight` [I, H], ...) in gpt-oss's fused
+    layout as transformers saves and loads it: gate_up_proj [E, H, 2I] with gate in the even and up in the odd
+    columns, down_proj [E, I, H], gate_up_proj_bias [E, 2I] interleaved the same way, down_proj_bias [E, H]."""
+    m, E = arch.moe, arch.num_experts
+    sd = dict(sd)
+    for i in range(layers):
+        p = f"{arch.layers}.{i}.{m.block}.experts"
+        pop = lambda e, w, k: sd.pop(f"{p}.{e}.{w}.{k}")  # noqa: E731
+        gate = torch.stack([pop(e, m.gate, "weight") for e in range(E)])  # [E, I, H]
+        up = torch.stack([pop(e, m.up, "weight") for e in range(E)])
+        gate_up = torch.stack((gate, up), dim=2).flatten(1, 2)  # [E, 2I, H]: rows g0, u0, g1, u1, ...
+        sd[f"{p}.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
+        sd[f"{p}.down_proj"] = torch.stack([pop(e, m.down, "weight") for e in range(E)]).transpose(1, 2).contiguous()
+        gb = torch.stack([pop(e, m.gate, "bias") for e in range(E)])
+        ub = torch.stack([pop(e, m.up, "bias") for e in range(E)])
+        sd[f"{p}.gate_up_proj_bias"] = torch.stack((gb, ub), dim=2).flatten(1, 2).contiguous()
+        sd[f"{p}.down_proj_bias"] = torch.stack([pop(e, m.down, "bias") for e in range(E)])
+    return sd
 
 
 def _unrotatable(recipe: str, model_type: str) -> bool:
@@ -127,7 +161,7 @@ def test_architecture_recipe_vllm(models, calib_file, tmp_path, model_type, reci
     # (NVFP4 / MXFP4 / MXFP8 experts: the loader's MoE path does not decode them either)
     if ck.hf_config["model_type"] in MOE and (ck.ct_format in ("int-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized",
                                                               "mxfp8-quantized")
-                                            or not ck.weights_scheme.symmetric):
+                                            or not ck.weights_scheme.symmetric or ck.arch.moe.fused.stored_fused):
         ref = _moe_ct_reference(ck, tmp_path / "dense")
     else:
         ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,

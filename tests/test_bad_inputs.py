@@ -47,6 +47,9 @@ CATALOGUE = {
     "fp8-source-scale-missing": "FP8-block source: a weight's weight_scale_inv is missing",
     "fp8-source-block-shape": "FP8-block source: the scales' grid disagrees with weight_block_size",
     "fp8-source-same-format": "FP8-block source converted to the same blocks (recipe fp8-block)",
+    "mxfp4-source-scales-missing": "gpt-oss MXFP4 source: an expert tensor's _scales are missing",
+    "mxfp4-source-other-family": "MXFP4 quantization_config on a model other than gpt-oss",
+    "mxfp4-source-same-format": "gpt-oss MXFP4 source converted to MXFP4 (recipe mxfp4-a16)",
     "vlm-target": "vision-language model (gemma3) to a target that cannot keep its vision tower out (gptq)",
     "remote-code": "custom code required (auto_map) without --trust-remote-code",
     "remote-code-missing": "--trust-remote-code, but the code file is not in the directory",
@@ -325,6 +328,29 @@ def test_fp8_block_source_refusals(tmp_path, model, case, damage, recipe, needle
     from fp8_sources import make_fp8_block_source
 
     src = make_fp8_block_source(model, tmp_path / "fp8")
+    damage(src)
+    code, out = convert(tmp_path, src, recipe=recipe)
+    expect(case, code, out, tmp_path, *needles)
+
+
+@pytest.mark.parametrize("case,damage,recipe,needles", [
+    ("mxfp4-source-scales-missing",
+     lambda d: edit_weights(d, lambda sd: sd.pop("model.layers.1.mlp.experts.down_proj_scales")), "w4a16",
+     ("holds model.layers.1.mlp.experts.down_proj_blocks but not model.layers.1.mlp.experts.down_proj_scales",
+      "re-download")),
+    ("mxfp4-source-other-family", lambda d: edit_config(d, model_type="qwen3_moe"), "w4a16",
+     ("mxfp4 quantization_config", "only for gpt-oss's fused MXFP4 experts", "original unquantized")),
+    ("mxfp4-source-same-format", lambda d: None, "mxfp4-a16",
+     ("already holds its experts in MXFP4", "serve the source as it is")),
+])
+def test_mxfp4_source_refusals(tmp_path, case, damage, recipe, needles):
+    """gpt-oss's MXFP4 experts (qtk.model.prequantized): a damaged source is refused from its headers, before any
+    work; so is converting one to MXFP4, or an mxfp4 quantization_config on another family."""
+    from mxfp4_sources import make_mxfp4_source
+
+    bf16 = make_tiny_model(tmp_path / "bf16", model_type="gpt_oss", layers=2, hidden=64, intermediate=64, head_dim=32,
+                           num_local_experts=2, num_experts_per_tok=1)
+    src, _ = make_mxfp4_source(bf16, tmp_path / "mxfp4")
     damage(src)
     code, out = convert(tmp_path, src, recipe=recipe)
     expect(case, code, out, tmp_path, *needles)

@@ -124,6 +124,11 @@ class VLLMWriter(Writer):
         if options.tp != 1 or options.pp != 1:
             notes.append(f"--tp {options.tp} --pp {options.pp} applies to the trtllm target; vLLM shards at load time "
                          f"(serve with --tensor-parallel-size {options.tp})")
+        if moe is not None and not moe.vllm_reads_per_expert:
+            notes.append(f"vLLM's {source.arch.name} loader (0.32) reads quantized experts only in its own layouts (MXFP4, "
+                         "quark's fused tensors, its per-expert w13/w2 names), not as the per-expert Linears written here "
+                         "(llm-compressor's layout, which transformers + compressed-tensors decodes): vLLM refuses to load "
+                         "this checkpoint (tests/engine/test_engine_moe_families.py)")
         if moe is not None and not all(s.weights.symmetric for s in recipe.schemes):
             notes.append("asymmetric MoE experts (zero points) load only in vLLM versions whose compressed-tensors MoE "
                          "path supports zero points (older ones accept symmetric experts only); for those use a "

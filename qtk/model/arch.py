@@ -35,6 +35,25 @@ class SmoothPair:
 
 
 @dataclass(frozen=True)
+class FusedExperts:
+    """transformers 5's fused expert parameters: gate_up [E, 2I, H] and down [E, H, I] ([out, in] per expert, gate
+    rows then up rows) for Qwen3-MoE / Mixtral; gpt-oss holds them transposed ([E, in, out]: gate_up [E, H, 2I],
+    down [E, I, H]) with gate and up interleaved along the 2I axis (gate = [..., ::2], up = [..., 1::2]) and a
+    `{name}_bias` beside each. `stored_fused`: the checkpoint stores them so too (gpt-oss), instead of per-expert
+    Linears that transformers fuses on load."""
+
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    transposed: bool = False
+    interleaved: bool = False
+    stored_fused: bool = False
+
+    def gate_up_rows(self, which: int, inter: int) -> slice:
+        """The rows of the [2I, H] (out-major) gate_up matrix that are gate's (which 0) or up's (which 1)."""
+        return slice(which, None, 2) if self.interleaved else slice(which * inter, (which + 1) * inter)
+
+
+@dataclass(frozen=True)
 class MoE:
     """A sparse MoE block as checkpoints (and vLLM) hold it: one gate/up/down Linear per expert under
     `{block}.experts.{e}.`, and a router Linear `{block}.{router}` that stays dense. transformers 5 fuses
@@ -49,6 +68,23 @@ class MoE:
     # Qwen2-MoE's "shared_expert", scaled by the sigmoid of a dense Linear(hidden, 1) `shared_gate`
     shared: str | None = None
     shared_gate: str | None = None
+    # the expert Linears carry biases (gpt-oss: gate_up_proj_bias, down_proj_bias); the router's own bias is a
+    # parameter of the router module, kept with its weight
+    bias: bool = False
+    # how transformers 5 holds the experts fused (and, for `stored_fused`, how the checkpoint stores them)
+    fused: FusedExperts = FusedExperts()
+    # the expert's activation: "silu" (down(silu(gate) * up)) or "clamped_swiglu" (gpt-oss: gate clamped above and
+    # up on both sides at swiglu_limit, down((up + 1) * gate * sigmoid(swiglu_alpha * gate))); the clamp is not
+    # linear in up, so smoothing up -> down would change the function: no such pair for it
+    activation: str = "silu"
+    # vLLM's loader for the family reads quantized experts as per-expert Linears (compressed-tensors' layout); gpt-oss's
+    # (vLLM 0.32 gpt_oss.py) reads them only as MXFP4, quark's fused tensors or its own per-expert w13_* / w2_* names
+    vllm_reads_per_expert: bool = True
+
+    @property
+    def up_smoothable(self) -> bool:
+        """Whether a scale on up's outputs folds exactly into down's inputs (the activation is linear in up)."""
+        return self.activation == "silu"
 
     def expert(self, e: int, which: str) -> str:
         return f"{self.block}.experts.{e}.{which}"
@@ -109,6 +145,9 @@ class Arch:
     def at(self, i: int) -> "Arch":
         """The Arch of decoder layer i (its Linears, groups and smoothing pairs)."""
         return self.dense_layer if self.dense_layer is not None and i < self.first_sparse else self
+    # a learned sink logit per attention head (gpt-oss's self_attn.sinks): its attention runs the model's eager code,
+    # the only one that has it; the sinks stay in 16 bits
+    attn_sinks: bool = False
     # vision-language models: the modules outside the language model (vision tower, projector), by transformers' names;
     # they stay in 16 bits, their tensors copied as stored, and the skeleton is the image-text-to-text class
     multimodal: tuple[str, ...] = ()
@@ -183,6 +222,17 @@ GLM4_MOE = Arch("glm4_moe", ("glm4_moe",), linears=(Q, K, V, O), fusion_groups=(
                 trtllm_architecture=None, vllm_fused=(((Q, K, V), "self_attn.qkv_proj"),),
                 moe=MoE("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"))
 
+# gpt-oss: Llama-style attention with biases on q/k/v/o and a learned sink logit per head (`self_attn.sinks`, kept in
+# 16 bits), sliding and full attention alternating (layer_types); every layer an MoE block whose router is a Linear with
+# a bias (`mlp.router`, kept in 16 bits) and whose experts carry biases and a clamped SwiGLU. The checkpoint stores the
+# experts fused as transformers holds them (or as MXFP4 blocks, qtk.model.prequantized); qtk reads them as per-expert
+# Linears `mlp.experts.{e}.gate_proj/up_proj/down_proj` (with their biases) and writes them so
+GPT_OSS = Arch("gpt_oss", ("gpt_oss",), linears=(Q, K, V, O), fusion_groups=((Q, K, V),), smoothing=(),
+               trtllm_architecture=None, vllm_fused=(((Q, K, V), "self_attn.qkv_proj"),), attn_sinks=True,
+               moe=MoE("mlp", "gate_proj", "up_proj", "down_proj", router="router", bias=True,
+                       fused=FusedExperts(transposed=True, interleaved=True, stored_fused=True),
+                       activation="clamped_swiglu", vllm_reads_per_expert=False))
+
 # DeepSeek-V3 / R1 (Kimi-K2's config has this shape under its own model_type, which transformers has no class for:
 # planned, not converted): multi-head latent attention. The query goes
 # through a low-rank pair q_a_proj -> q_a_layernorm -> q_b_proj (q_proj where q_lora_rank is null); K and V come from
@@ -236,6 +286,10 @@ class Traits:
     tie_default: bool = False  # tie_word_embeddings when config.json omits it (the HF class default)
     sliding: str = "layer_types"  # how sliding-window layers are chosen when layer_types is absent
     router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias next to the router
+    router: str = "gate"  # the router's module name in the MoE block
+    router_linear_bias: bool = False  # the router Linear has a bias (gpt-oss)
+    expert_bias: bool = False  # every expert Linear has a bias (gpt-oss)
+    sinks: bool = False  # a learned attention-sink logit per head, self_attn.sinks [heads] (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -269,6 +323,8 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(QWEN2_MOE, Traits(qkv_bias=True, sliding="qwen"), "Qwen2MoeForCausalLM"),
     "deepseek_v3": Family(DEEPSEEK_V3, Traits(router_bias=True), "DeepseekV3ForCausalLM"),
     "glm4_moe": Family(GLM4_MOE, Traits(router_bias=True), "Glm4MoeForCausalLM"),
+    "gpt_oss": Family(GPT_OSS, Traits(router="router", router_linear_bias=True, expert_bias=True, sinks=True),
+                      "GptOssForCausalLM"),
     # vision-language models (the language model converted, the vision tower and projector kept in 16 bits)
     "gemma3": Family(GEMMA3_VL, Traits(qk_norm=True, sandwich_norms=True, tie_default=True, sliding="pattern"),
                      "Gemma3ForConditionalGeneration"),
@@ -351,7 +407,7 @@ def with_experts(arch: Arch, config: dict) -> Arch:
             SmoothPair("post_attention_layernorm", shared_in + gate_up, True,
                        dense=arch.dense_linears, observe=m.router_name),
             *((SmoothPair(su, (sd,), False),) if m.shared else ()),
-            *(SmoothPair(ups[e], (downs[e],), False) for e in range(E)),
+            *(SmoothPair(ups[e], (downs[e],), False) for e in range(E) if m.up_smoothable),
         ),
         vllm_fused=arch.vllm_fused + (((shared_in, f"{m.block}.{m.shared}.gate_up_proj"),) if m.shared else ()),
         shared_input_scale=(gate_up, tuple(downs)),

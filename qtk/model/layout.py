@@ -34,6 +34,11 @@ class _Rules:
     mla: bool = False  # DeepSeek: multi-head latent attention, first_k_dense_replace dense layers, shared experts
     qk_norm_key: str | None = None  # the config key that switches q/k norms on (GLM-4.5: use_qk_norm)
     router_bias: bool = False  # the router holds e_score_correction_bias (DeepSeek-style routing)
+    sinks: bool = False  # the attention holds a sink logit per head, `sinks` [heads], before its Linears (gpt-oss)
+    router_linear_bias: bool = False  # the router Linear has a bias (gpt-oss)
+    # config keys whose absence leaves a size or a tensor to the config class's default where that is not the
+    # layout's own default (gpt-oss: head_dim 64, attention_bias True): without them the skeleton decides
+    needs: tuple[str, ...] = ()
 
 
 RULES: dict[str, _Rules] = {
@@ -50,6 +55,7 @@ RULES: dict[str, _Rules] = {
     "deepseek_v3": _Rules(expert_size="moe_intermediate_size", mla=True),
     "glm4_moe": _Rules(attn_bias="qkv_config", head_dim_default=False, qk_norm_key="use_qk_norm",
                        expert_size="moe_intermediate_size", router_bias=True),
+    "gpt_oss": _Rules(head_dim_default=False, sinks=True, router_linear_bias=True, needs=("attention_bias", "head_dim")),
 }
 # tensors a checkpoint may hold that no model has as parameters (transformers skips them on load too)
 SKIPPED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
@@ -142,7 +148,8 @@ def layout_from_config(config: dict, arch: Arch) -> Layout | None:
     tie = config.get("tie_word_embeddings")
     need = {k: _int(config, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                          "num_key_value_heads", "num_hidden_layers", "vocab_size")}
-    if rules is None or not isinstance(tie, bool) or None in need.values() or "text_config" in config:
+    if rules is None or not isinstance(tie, bool) or None in need.values() or "text_config" in config \
+            or any(k not in config for k in rules.needs):
         return None
     hidden, inter, heads, kv, n, vocab = need.values()
     if rules.mla:
@@ -159,7 +166,7 @@ def layout_from_config(config: dict, arch: Arch) -> Layout | None:
     bias[K] = bias[V] = bias[Q]
     q_out, kv_out = heads * head_dim, kv * head_dim
 
-    layer: list[tuple[str, Shape]] = []
+    layer: list[tuple[str, Shape]] = [(f"{arch.attn}.sinks", (heads,))] if rules.sinks else []
 
     def linear(name: str, out: int, inn: int, with_bias: bool = False) -> None:
         layer.append((f"{name}.weight", (out, inn)))
@@ -188,12 +195,12 @@ def layout_from_config(config: dict, arch: Arch) -> Layout | None:
         size = _int(config, rules.expert_size)
         if size is None:
             return None
-        linear(m.router_name, arch.num_experts, hidden)
+        linear(m.router_name, arch.num_experts, hidden, rules.router_linear_bias)
         if rules.router_bias:
             layer.append((f"{m.router_name}.{ROUTER_BIAS}", (arch.num_experts,)))
         for e in range(arch.num_experts):
             for which, out, inn in ((m.gate, size, hidden), (m.up, size, hidden), (m.down, hidden, size)):
-                linear(m.expert(e, which), out, inn)
+                linear(m.expert(e, which), out, inn, m.bias)
         if m.shared:
             # Qwen2-MoE: one shared expert of its own size behind a gate; DeepSeek-style: n_shared_experts of the
             # experts' size, as one MLP

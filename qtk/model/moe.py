@@ -1,7 +1,8 @@
 """Sparse MoE blocks with one ordinary Linear per expert, named as in the checkpoint.
 
 transformers 5 holds a block's experts as fused 3-D parameters (gate_up_proj [E, 2I, H], down_proj
-[E, H, I]) and fuses the checkpoint's per-expert tensors on load. qtk calibrates and quantizes each
+[E, H, I]; gpt-oss: transposed, gate/up interleaved, with biases: the family's `FusedExperts`) and fuses the
+checkpoint's per-expert tensors on load. qtk calibrates and quantizes each
 expert's Linears separately (hooks, smoothing, GPTQ and the writers all see nn.Linear), so the skeleton's
 fused experts are replaced by `ExpertMLP`s; the block (router, shared experts and their gate) is the model's
 own module, so routing and the shared path are the model's own math.
@@ -14,21 +15,39 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class ExpertMLP(nn.Module):
-    """One expert: down(act(gate(x)) * up(x)), with the checkpoint's Linear names (w1/w3/w2 or gate_proj/...)."""
+def silu_glu(act):
+    """act(gate) * up: the SwiGLU of Llama-style experts, with the model's own activation module."""
+    return lambda g, u: act(g) * u
 
-    def __init__(self, names: tuple[str, str, str], hidden: int, inter: int, act, device=None, dtype=None):
+
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's expert activation (transformers' GptOssExperts._apply_gate on the split gate/up outputs): gate
+    clamped above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g = g.clamp(min=None, max=limit)
+        u = u.clamp(min=-limit, max=limit)
+        return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+    return glu
+
+
+class ExpertMLP(nn.Module):
+    """One expert: down(glu(gate(x), up(x))), with the checkpoint's Linear names (w1/w3/w2 or gate_proj/...)."""
+
+    def __init__(self, names: tuple[str, str, str], hidden: int, inter: int, glu, device=None, dtype=None,
+                 bias: bool = False):
         super().__init__()
         self.names = names
         gate, up, down = names
-        self.add_module(gate, nn.Linear(hidden, inter, bias=False, device=device, dtype=dtype))
-        self.add_module(up, nn.Linear(hidden, inter, bias=False, device=device, dtype=dtype))
-        self.add_module(down, nn.Linear(inter, hidden, bias=False, device=device, dtype=dtype))
-        self.act_fn = act
+        self.add_module(gate, nn.Linear(hidden, inter, bias=bias, device=device, dtype=dtype))
+        self.add_module(up, nn.Linear(hidden, inter, bias=bias, device=device, dtype=dtype))
+        self.add_module(down, nn.Linear(inter, hidden, bias=bias, device=device, dtype=dtype))
+        self.glu = glu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
-        return down(self.act_fn(gate(x)) * up(x))
+        return down(self.glu(gate(x), up(x)))
 
 
 class UnfusedExperts(nn.ModuleList):
@@ -73,9 +92,12 @@ def unfuse_experts(model: nn.Module, arch) -> None:
         fused = getattr(block, "experts", None)
         if fused is None or not hasattr(fused, "gate_up_proj"):
             continue  # a dense MLP layer
-        E, two_i, H = fused.gate_up_proj.shape
+        E = fused.gate_up_proj.shape[0]
+        H, two_i = fused.gate_up_proj.shape[1:] if m.fused.transposed else fused.gate_up_proj.shape[:0:-1]
         dev, dt = fused.gate_up_proj.device, fused.gate_up_proj.dtype
-        experts = UnfusedExperts(ExpertMLP((m.gate, m.up, m.down), H, two_i // 2, fused.act_fn, dev, dt) for _ in range(E))
+        glu = clamped_swiglu(fused.alpha, fused.limit) if m.activation == "clamped_swiglu" else silu_glu(fused.act_fn)
+        experts = UnfusedExperts(ExpertMLP((m.gate, m.up, m.down), H, two_i // 2, glu, dev, dt, bias=m.bias)
+                                 for _ in range(E))
         order = [m.router, "experts", *(k for k in block._modules if k not in (m.router, "experts"))]
         mods = dict(block._modules, experts=experts)
         block._modules.clear()

@@ -1,20 +1,31 @@
-"""Sources that are already quantized, read as the 16-bit model they stand for.
+"""Sources stored otherwise than the model qtk reads: already quantized, or with fused experts; each read as the
+16-bit model it stands for, one tensor at a time, so the whole model never exists in 16 bits.
 
-One kind is read: FP8 e4m3 weights in blocks (Hugging Face `quantization_config: {quant_method: fp8,
-weight_block_size: [bn, bk]}`, as DeepSeek-V3/R1, Kimi-K2 and the Qwen3 "FP8" releases ship). Each quantized Linear
-stores `X.weight` (float8_e4m3fn, [out, in]) and `X.weight_scale_inv` (float32, [ceil(out/bn), ceil(in/bk)]): despite
-its name the scale multiplies, w = q * s blockwise, the last block row and column partial where 128 does not divide
-(vLLM's loader and DeepSeek's own weight_dequant read it so). Every other tensor is stored in 16 bits as usual.
+A tensor the model reads that the checkpoint stores otherwise is a `Derived`: the stored tensors it comes from and how
+(`make`). `ModelSource` lists derived names in its weight map, hides the stored tensors they come from, and computes
+each one when the layer loop or the stream reads it. Three kinds:
 
-`ModelSource` asks `FP8Blocks` for each tensor as the layer loop or the stream reads it: a quantized weight comes back
-dequantized to the model dtype, one tensor at a time, so the whole model never exists in 16 bits. The arithmetic is
-transformers' `Fp8Dequantize` (float32 product, one rounding to the model dtype), with partial edge blocks, which its
-grid-derived block size does not cover.
+- FP8 e4m3 weights in blocks (Hugging Face `quantization_config: {quant_method: fp8, weight_block_size: [bn, bk]}`, as
+  DeepSeek-V3/R1, Kimi-K2 and the Qwen3 "FP8" releases ship). Each quantized Linear stores `X.weight`
+  (float8_e4m3fn, [out, in]) and `X.weight_scale_inv` (float32, [ceil(out/bn), ceil(in/bk)]): despite its name the
+  scale multiplies, w = q * s blockwise, the last block row and column partial where 128 does not divide (vLLM's loader
+  and DeepSeek's own weight_dequant read it so). The arithmetic is transformers' `Fp8Dequantize` (float32 product, one
+  rounding to the model dtype), with partial edge blocks, which its grid-derived block size does not cover.
+- Experts stored fused (gpt-oss: `mlp.experts.gate_up_proj` [E, H, 2I] with gate and up interleaved on the last axis,
+  `down_proj` [E, I, H], their `_bias`es; the family's `FusedExperts`): each expert's gate/up/down Linear and bias is
+  a slice of them, copied out when read.
+- gpt-oss's MXFP4 experts (`quantization_config: {quant_method: mxfp4}`, as OpenAI ships gpt-oss): `X_blocks` uint8
+  [E, out, in/32, 16], two e2m1 codes per byte, the even element in the low nibble, and `X_scales` uint8 [E, out,
+  in/32], E8M0 exponents biased by 127 (transformers' integrations/mxfp4.py reads them so: lut[nibble] * 2^(s - 127)).
+  Each expert's rows are decoded when read (float32 product, one rounding to the model dtype).
 
 Everything is checked from the headers before any work: a quantized weight with no scale, a scale with no weight,
-a scale grid that is not the blocks' (a damaged or mislabelled source), a weight in another dtype than e4m3."""
+a scale grid that is not the blocks' (a damaged or mislabelled source), a weight in another dtype than its format's."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 from qtk.errors import UsageError
 from qtk.quant.lazy import torch
@@ -23,22 +34,40 @@ SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 INPUT_SCALE = ".input_scale"  # activation_scheme static: each quantized Linear's input scale, not needed to dequantize
 SCALE_DTYPES = ("float32", "bfloat16")
 FIX_DAMAGED = "the FP8 checkpoint is damaged or incomplete: re-download it"
+MX_FIX_DAMAGED = "the MXFP4 checkpoint is damaged or incomplete: re-download it"
+MX_GROUP = 32  # elements per E8M0 scale (16 bytes of two e2m1 codes)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A tensor the model reads, computed from stored ones: `make(model_dtype, *inputs read)`."""
+
+    inputs: tuple[str, ...]
+    shape: tuple[int, ...]
+    make: Callable
+    stored_dtype: bool = False  # True: it comes out in its first input's stored dtype (a slice), else the model's
+    # it reads a part of its inputs (one expert's rows): they are mapped, so only those bytes are touched; False:
+    # the whole inputs, read as the caller asks
+    partial: bool = True
 
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def source_quantization(config: dict, name: str) -> "FP8Blocks | None":
-    """The quantization of a source from its config.json: None for a 16-bit model, FP8Blocks for an FP8-block source;
-    any other quantized source is refused (one line, before any work)."""
+def source_quantization(config: dict, name: str) -> "FP8Blocks | MXFP4Experts | None":
+    """The quantization of a source from its config.json: None for a 16-bit model, FP8Blocks for an FP8-block source,
+    MXFP4Experts for gpt-oss's MXFP4 experts; any other quantized source is refused (one line, before any work)."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
     method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+    if method == "mxfp4":
+        return MXFP4Experts.of(qc, config, name)
     if method != "fp8":
         why = {"compressed-tensors": "its formats are decoded only as qtk's own checkpoints, not as a source"}.get(
-            str(method), "qtk dequantizes only FP8-block sources (quant_method fp8 with weight_block_size)")
+            str(method), "qtk dequantizes only FP8-block sources (quant_method fp8 with weight_block_size) and "
+                         "gpt-oss's MXFP4 experts (quant_method mxfp4)")
         raise UsageError(f"{name} is already quantized (config.json has a {str(method)[:40]} quantization_config): {why}",
                          "give the original unquantized (bf16/fp16) model")
     return FP8Blocks.of(qc, name)
@@ -54,6 +83,7 @@ class FP8Blocks:
         self.qc = qc
         self.scales: dict[str, str] = {}
         self.hidden: dict[str, object] = {}  # scale (and static input-scale) tensors: name -> file
+        self.derived: dict[str, Derived] = {}  # each FP8 weight, dequantized
 
     @classmethod
     def of(cls, qc: dict, name: str) -> "FP8Blocks":
@@ -106,7 +136,12 @@ class FP8Blocks:
         for n in out:
             if n not in self.scales and dtype(n) == torch.float8_e4m3fn:
                 raise UsageError(f"tensor {n} is FP8 but the checkpoint has no {n}{SCALE_SUFFIX} for it", FIX_DAMAGED)
+        for w, s in self.scales.items():
+            self.derived[w] = Derived((w, s), tuple(shape(w)), self.dequantize_into, partial=False)
         return out
+
+    def dequantize_into(self, dtype, q, s):
+        return self.dequantize(q, s, dtype)
 
     # ---- the values ----
 
@@ -138,7 +173,172 @@ class FP8Blocks:
                 and getattr(scheme, "strategy", None) == "block"
                 and tuple(getattr(scheme, "block_structure", None) or ()) == self.block)
 
+    def same_format_problem(self, recipe_name: str) -> str:
+        bn, bk = self.block
+        return (f"is already FP8 in {bn}x{bk} blocks, the format recipe {recipe_name} writes: converting it would only "
+                "round its weights again")
+
     def record(self) -> dict:
         """What the manifest says of the source's quantization."""
         return {"quant_method": self.method, "weight_block_size": list(self.block), "quantized_weights": len(self.scales),
                 "read_as": "each weight dequantized to the model dtype as it is read (float32 product, one rounding)"}
+
+
+class MXFP4Experts:
+    """gpt-oss's MXFP4 experts (quant_method mxfp4): which fused expert tensors are stored as blocks and scales
+    (`packed`: fused name, e.g. model.layers.0.mlp.experts.gate_up_proj -> (its _blocks, its _scales)). Each expert's
+    rows are decoded when read (`expert`); what is not an expert tensor is stored in 16 bits."""
+
+    method = "mxfp4"
+
+    def __init__(self, qc: dict):
+        self.qc = qc
+        self.packed: dict[str, tuple[str, str]] = {}
+        self.hidden: dict[str, object] = {}  # blocks and scales: name -> file
+        self.derived: dict[str, Derived] = {}  # none of its own: split_fused_experts, which knows the family's
+        # experts, asks `expert` for each one's weights
+
+    @classmethod
+    def of(cls, qc: dict, config: dict, name: str) -> "MXFP4Experts":
+        from qtk.model.arch import ARCHS
+
+        arch = ARCHS.get(config.get("model_type"))
+        if arch is None or arch.moe is None or not arch.moe.fused.stored_fused:
+            raise UsageError(f"{name} has an mxfp4 quantization_config, which qtk reads only for gpt-oss's fused MXFP4 "
+                             f"experts, not for a {str(config.get('model_type'))[:40]} model",
+                             "give the original unquantized (bf16/fp16) model")
+        return cls(qc)
+
+    def index(self, weight_map: dict, shape, dtype, where: str) -> dict:
+        """weight_map without the blocks and scales (kept in `hidden`), each pair checked against the other from the
+        headers: uint8 blocks [E, out, in/32, 16], uint8 scales [E, out, in/32]."""
+        out = {}
+        for n, f in weight_map.items():
+            if n.endswith(("_blocks", "_scales")):
+                self.hidden[n] = f
+            else:
+                out[n] = f
+        for n in self.hidden:
+            base, _, kind = n.rpartition("_")
+            other = f"{base}_{'scales' if kind == 'blocks' else 'blocks'}"
+            if other not in self.hidden:
+                raise UsageError(f"{where} holds {n} but not {other}", MX_FIX_DAMAGED)
+            if kind != "blocks":
+                continue
+            bs, ss = list(shape(n)), list(shape(other))
+            for t, want in ((n, torch.uint8), (other, torch.uint8)):
+                if dtype(t) != want:
+                    raise UsageError(f"tensor {t} is stored as {str(dtype(t)).replace('torch.', '')}, not uint8",
+                                     MX_FIX_DAMAGED)
+            if len(bs) != 4 or bs[3] != MX_GROUP // 2 or ss != bs[:3]:
+                raise UsageError(f"{n} has shape {bs} and {other} {ss}: MXFP4 experts are blocks [E, out, in/32, 16] "
+                                 "with scales [E, out, in/32]", MX_FIX_DAMAGED)
+            self.packed[base] = (n, other)
+        return out
+
+    def expert(self, fused: str, e: int, rows: slice) -> Derived:
+        """Expert e's rows `rows` of the fused MXFP4 tensor `fused` as a [rows, in] weight in the model dtype."""
+        blocks, scales = self.packed[fused]
+        return Derived((blocks, scales), (), lambda dtype, b, s: self.decode(b[e, rows], s[e, rows], dtype))
+
+    @staticmethod
+    def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 blocks [rows, G, 16] and E8M0 scales [rows, G] -> [rows, G * 32] in `dtype`: e2m1(code) * 2^(s - 127)
+        in float32, one rounding."""
+        from qtk.quant.formats.mx import mxfp4_dequantize
+        from qtk.quant.fp4 import unpack_fp4
+
+        rows, groups = scales.shape
+        codes = unpack_fp4(blocks.reshape(rows, groups * (MX_GROUP // 2)).contiguous())
+        return mxfp4_dequantize(codes, scales.contiguous(), dtype)
+
+    def same_format(self, scheme) -> bool:
+        """True when `scheme` is MXFP4 (e2m1 elements, E8M0 scales per 32): the experts' own format."""
+        return (scheme is not None and getattr(scheme, "type", None) == "float" and getattr(scheme, "num_bits", None) == 4
+                and getattr(scheme, "group_size", None) == MX_GROUP and getattr(scheme, "scale_dtype", None) == "e8m0")
+
+    def same_format_problem(self, recipe_name: str) -> str:
+        return (f"already holds its experts in MXFP4, the format recipe {recipe_name} writes: converting them would only "
+                "round them again")
+
+    def record(self) -> dict:
+        return {"quant_method": self.method, "quantized_weights": len(self.packed),
+                "read_as": "each expert's MXFP4 rows decoded to the model dtype as they are read (float32 product, one "
+                           "rounding)"}
+
+
+def split_fused_experts(arch, weight_map: dict, shape, quant) -> tuple[dict, dict, dict]:
+    """For a family whose checkpoint stores its experts fused (arch.moe.fused.stored_fused: gpt-oss), the per-expert
+    Linears and biases the model reads, each a Derived slice (or MXFP4 decode) of a stored fused tensor. Returns
+    (weight_map with the per-expert names in place of the fused ones, each at its fused tensor's file; derived;
+    hidden: the fused tensors by file). A checkpoint already per expert (qtk's own output) is left as it is."""
+    m = arch.moe
+    if m is None or not m.fused.stored_fused:
+        return weight_map, {}, {}
+    f = m.fused
+    packed = quant.packed if isinstance(quant, MXFP4Experts) else {}
+    out, derived, hidden = dict(weight_map), {}, {}
+    tail = f".{m.block}.experts."
+    fused_names = (f.gate_up, f.down, f"{f.gate_up}_bias", f"{f.down}_bias")
+    blocks = sorted({n.split(tail)[0] + tail[:-1] for n in [*weight_map, *packed]
+                     if n.startswith(f"{arch.layers}.") and tail in n and n.split(tail)[1] in fused_names})
+    E = arch.num_experts
+
+    def fused_shape(name: str) -> list[int]:
+        s = list(shape(name))
+        if len(s) != 3 or s[0] != E:
+            raise UsageError(f"tensor {name} has shape {s}, not the [{E}, ., .] of {E} fused experts",
+                             "the weights do not belong to this config.json")
+        return s
+
+    def slice_of(name, e, rows, transpose):
+        def make(dtype, t):
+            x = t[e].T if transpose else t[e]
+            return (x[rows] if rows is not None else x).contiguous()
+        return make
+
+    for b in blocks:  # "model.layers.0.mlp.experts"
+        gu, dn = f"{b}.{f.gate_up}", f"{b}.{f.down}"
+        for fused, parts in ((gu, ((m.gate, 0), (m.up, 1))), (dn, ((m.down, None),))):
+            if fused in packed:  # MXFP4 blocks: [E, out, in/32, 16], already out-major
+                bshape = list(shape(packed[fused][0]))
+                if bshape[0] != E:
+                    raise UsageError(f"tensor {packed[fused][0]} has shape {bshape}, not the [{E}, ...] of {E} experts",
+                                     "the weights do not belong to this config.json")
+                out_rows, inn = bshape[1], bshape[2] * MX_GROUP
+                for which, half in parts:
+                    rows = f.gate_up_rows(half, out_rows // 2) if half is not None else slice(None)
+                    n_rows = out_rows // 2 if half is not None else out_rows
+                    for e in range(E):
+                        d = quant.expert(fused, e, rows)
+                        derived[f"{b}.{e}.{which}.weight"] = Derived(d.inputs, (n_rows, inn), d.make)
+                        out[f"{b}.{e}.{which}.weight"] = quant.hidden[packed[fused][0]]
+            elif fused in weight_map:
+                s = fused_shape(fused)
+                out_rows, inn = (s[2], s[1]) if f.transposed else (s[1], s[2])
+                for which, half in parts:
+                    rows = f.gate_up_rows(half, out_rows // 2) if half is not None else None
+                    n_rows = out_rows // 2 if half is not None else out_rows
+                    for e in range(E):
+                        derived[f"{b}.{e}.{which}.weight"] = Derived((fused,), (n_rows, inn),
+                                                                      slice_of(fused, e, rows, f.transposed), True)
+                        out[f"{b}.{e}.{which}.weight"] = weight_map[fused]
+                hidden[fused] = out.pop(fused)
+            bias = f"{fused}_bias"
+            if m.bias and bias in weight_map:
+                bs = list(shape(bias))
+                if len(bs) != 2 or bs[0] != E:
+                    raise UsageError(f"tensor {bias} has shape {bs}, not the [{E}, .] of {E} experts' biases",
+                                     "the weights do not belong to this config.json")
+                for which, half in parts:
+                    rows = f.gate_up_rows(half, bs[1] // 2) if half is not None else slice(None)
+                    n = bs[1] // 2 if half is not None else bs[1]
+                    for e in range(E):
+                        derived[f"{b}.{e}.{which}.bias"] = Derived((bias,), (n,), slice_of(bias, e, rows, False), True)
+                        out[f"{b}.{e}.{which}.bias"] = weight_map[bias]
+                hidden[bias] = out.pop(bias)
+    stray = sorted(set(packed) - {f"{b}.{n}" for b in blocks for n in (f.gate_up, f.down)})
+    if stray:  # MXFP4 tensors no expert reads would be dropped unseen
+        raise UsageError(f"{len(stray)} MXFP4 tensor(s) belong to no expert of the {arch.name} model config.json "
+                         f"describes ({', '.join(stray[:3])})", "check that config.json belongs to these weights")
+    return out, derived, hidden

@@ -132,7 +132,9 @@ def _qtk_attention(module, query, key, value, attention_mask, **kwargs):
     hook = getattr(module, "_qtk_kv_hook", None)
     if hook is not None:
         key, value = hook(key, value)
-    if kwargs.get("softcap") is not None:  # logit soft-capping (Gemma 2): only the model's eager code has it
+    # logit soft-capping (Gemma 2) and attention sinks (gpt-oss's s_aux, a learned logit per head in the softmax's
+    # denominator): only the model's eager code has them (transformers' sdpa drops s_aux)
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         import sys
 
         eager = sys.modules[type(module).__module__].eager_attention_forward
@@ -147,7 +149,7 @@ ATTN_IMPL_EAGER = "qtk_eager"
 
 def use_qtk_attention(model_or_config) -> None:
     """Route attention through qtk's function so K/V hooks can run: sdpa underneath with sdpa masks, or,
-    for models with attention soft-capping, the model's eager attention with eager (materialised) masks."""
+    for models with attention soft-capping or sinks, the model's eager attention with eager (materialised) masks."""
     global _registered
     if not _registered:
         from transformers import AttentionInterface
@@ -159,8 +161,12 @@ def use_qtk_attention(model_or_config) -> None:
         AttentionMaskInterface.register(ATTN_IMPL_EAGER, eager_mask)
         _registered = True
     config = getattr(model_or_config, "config", model_or_config)
+    from qtk.model.arch import ARCHS
+
     softcap = getattr(config, "attn_logit_softcapping", None)
-    config._attn_implementation = ATTN_IMPL_EAGER if softcap is not None else ATTN_IMPL
+    arch = ARCHS.get(getattr(config, "model_type", None))
+    eager = softcap is not None or (arch is not None and arch.attn_sinks)
+    config._attn_implementation = ATTN_IMPL_EAGER if eager else ATTN_IMPL
 
 
 def set_kv_hook(attn_module: torch.nn.Module, hook: Callable | None) -> None:

@@ -13,7 +13,7 @@ import torch
 from qtk.errors import UsageError
 from qtk.model.arch import ARCHS, Arch, arch_for
 from qtk.model.config_check import check_against_weights, read_config_json, text_config
-from qtk.model.prequantized import source_quantization
+from qtk.model.prequantized import split_fused_experts, source_quantization
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -81,8 +81,9 @@ class ModelSource:
             raise UsageError(f"{self.path.name} needs custom code from the model repository (config.json has auto_map)",
                              "review that code, then pass --trust-remote-code")
         self._check_code_files()
-        # an FP8-block source is read as the 16-bit model it stands for (qtk.model.prequantized): config_dict is that
-        # model's config, without the quantization_config, which is kept in `quant`; other quantized sources refused
+        # an FP8-block source, or gpt-oss's MXFP4 experts, is read as the 16-bit model it stands for
+        # (qtk.model.prequantized): config_dict is that model's config, without the quantization_config, which is kept
+        # in `quant`; other quantized sources refused
         self.quant = source_quantization(self.config_dict, self.path.name)
         if self.quant is not None:
             self.config_dict = {k: v for k, v in self.config_dict.items() if k != "quantization_config"}
@@ -99,8 +100,17 @@ class ModelSource:
         self._disk: dict[str, str] = {}  # name -> its name in the weight files, where they differ
         if self.arch.multimodal:
             self.weight_map = self._model_names(self.weight_map)
+        # tensors the model reads that are stored otherwise (qtk.model.prequantized): name -> how it is made, and the
+        # stored tensors they come from, which leave the weight map (name -> file)
+        self.derived: dict = {}
+        self.hidden: dict[str, Path] = {}
         if self.quant is not None:  # the scales leave the weight map: the model read is the dequantized one
             self.weight_map = self.quant.index(self.weight_map, self.shape, self._stored_dtype, f"{self.path.name}")
+            self.derived.update(self.quant.derived)
+            self.hidden.update(self.quant.hidden)
+        self.weight_map, derived, hidden = split_fused_experts(self.arch, self.weight_map, self.shape, self.quant)
+        self.derived.update(derived)
+        self.hidden.update(hidden)
         check_against_weights(self.config_dict, sum(p.stat().st_size for p in set(self.weight_map.values())),
                               len(self.weight_map), f"{cfg}")
         self.checked_side_files()
@@ -297,13 +307,15 @@ class ModelSource:
     def tensor(self, name: str, mapped: bool = False) -> torch.Tensor:
         """The tensor, read; mapped: mapped from its safetensors file instead where it can be
         (qtk.io.safetensors.SafetensorsFile.map_tensor: private, so writing to it leaves the file as it is)."""
-        if self.quant is not None and name in self.quant.scales:  # one FP8 weight dequantized, as it is read
-            return self.quant.dequantize(self._read(name, mapped), self._read(self.quant.scales[name], mapped), self.dtype)
+        d = self.derived.get(name)
+        if d is not None:  # a dequantized weight or one expert's slice of fused experts, made as it is read
+            return d.make(self.dtype, *(self._read(i, mapped or d.partial) for i in d.inputs))
         return self._read(name, mapped)
 
     def _file(self, name: str) -> Path | None:
-        """The weight file that holds `name` (an FP8 source's scales included), None when none does."""
-        return self.weight_map.get(name) or (self.quant.hidden.get(name) if self.quant is not None else None)
+        """The weight file that holds `name` (the stored tensors derived ones come from included), None when none
+        does."""
+        return self.hidden.get(name) or self.weight_map.get(name)
 
     def _read(self, name: str, mapped: bool = False) -> torch.Tensor:
         """The tensor as it is stored."""
@@ -326,7 +338,7 @@ class ModelSource:
         if p is None:
             raise UsageError(f"tensor {name} is missing from {self.path.name}", "the checkpoint is incomplete: re-download it")
         h = self._open(p)
-        if isinstance(h, dict) or (self.quant is not None and name in self.quant.scales):  # in memory, or dequantized
+        if isinstance(h, dict) or name in self.derived:  # in memory, or made from what is stored
             t = self.tensor(name)
             if check is not None:
                 check(t)
@@ -338,8 +350,7 @@ class ModelSource:
         """Every file that defines the model: config, tokenizer, generation config, weights."""
         names = {"config.json", "generation_config.json", *TOKENIZER_FILES, *PROCESSOR_FILES, "model.safetensors.index.json"}
         out = [self.path / n for n in sorted(names) if (self.path / n).is_file()]
-        hidden = self.quant.hidden.values() if self.quant is not None else ()
-        return out + sorted({*self.weight_map.values(), *hidden})
+        return out + sorted({*self.weight_map.values(), *self.hidden.values()})
 
     def file_hashes(self) -> dict[str, str]:
         out = {}
@@ -395,7 +406,7 @@ class ModelSource:
         name = self.config_dict.get("dtype") or self.config_dict.get("torch_dtype")
         if isinstance(name, str) and name in DTYPES:
             return DTYPES[name]
-        stored = [n for n in self.weight_map if self.quant is None or n not in self.quant.scales]
+        stored = [n for n in self.weight_map if n not in self.derived]
         return self._stored_dtype(stored[0] if stored else next(iter(self.weight_map)))
 
     @property
@@ -447,14 +458,19 @@ class ModelSource:
 
     def shape(self, name: str) -> list[int]:
         """A tensor's shape from the file header, without reading its data."""
+        d = self.derived.get(name)
+        if d is not None and d.inputs[0] != name:  # made from other tensors: its own shape
+            return list(d.shape)
         h = self._open(self._file(name) or self.weight_map[name])  # KeyError when no file holds it
         disk = self._disk.get(name, name)
         return list(h[disk].shape) if isinstance(h, dict) else h.shape(disk)
 
     def tensor_dtype(self, name: str) -> torch.dtype:
-        """A tensor's dtype as `tensor` returns it (a dequantized FP8 weight: the model dtype), from the file header."""
-        if self.quant is not None and name in self.quant.scales:
-            return self.dtype
+        """A tensor's dtype as `tensor` returns it (a dequantized weight: the model dtype; a slice: its source's), from
+        the file header."""
+        d = self.derived.get(name)
+        if d is not None:
+            return self._stored_dtype(d.inputs[0]) if d.stored_dtype else self.dtype
         return self._stored_dtype(name)
 
     def _stored_dtype(self, name: str) -> torch.dtype:

@@ -203,15 +203,14 @@ def check_fp8_tiles(source, recipe, why: str) -> None:
 
 
 def check_source_format(source, recipe: Recipe) -> None:
-    """A source already in FP8 blocks (qtk.model.prequantized) converted to the same blocks is refused: its weights
-    would be rounded a second time onto the grid they came from (the dequantized values rounded back in the model
-    dtype, not bit for bit the source's codes), for a checkpoint the engines already serve as it is."""
+    """A source already quantized (qtk.model.prequantized: FP8 blocks, gpt-oss's MXFP4 experts) converted to its own
+    format is refused: its weights would be rounded a second time onto the grid they came from (the dequantized
+    values rounded back in the model dtype, not bit for bit the source's codes), for a checkpoint the engines already
+    serve as it is."""
     quant = getattr(source, "quant", None)
     if quant is None:
         return
     same = [s.weights for s in recipe.schemes if quant.same_format(s.weights)]
     if same:
-        bn, bk = quant.block
-        raise UsageError(f"{source.path.name} is already FP8 in {bn}x{bk} blocks, the format recipe {recipe.name} "
-                         "writes: converting it would only round its weights again",
+        raise UsageError(f"{source.path.name} {quant.same_format_problem(recipe.name)}",
                          "serve the source as it is (vLLM and SGLang load it), or pick a recipe of another format")

@@ -78,6 +78,10 @@ class ModelShape:
     shared_intermediate: int = 0
     shared_style: str = ""  # "qwen" (shared_expert + sigmoid gate) | "deepseek" (shared_experts)
     router_bias: bool = False
+    router: str = "gate"  # the router's module name in the MoE block
+    router_linear_bias: bool = False  # the router Linear has a bias (gpt-oss)
+    expert_bias: bool = False  # every expert Linear has a bias (gpt-oss)
+    sinks: bool = False  # a sink logit per attention head (gpt-oss), kept in 16 bits
     # multi-head latent attention (DeepSeek V2/V3): the cache holds one latent per token per layer
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -182,7 +186,9 @@ class ModelShape:
             mlp_bias=bool(text.get("mlp_bias", False)), qk_norm=traits.qk_norm, sandwich_norms=traits.sandwich_norms,
             windows=_layer_windows(text, layers, traits), experts=experts, expert_intermediate=expert_inter,
             top_k=top_k, moe_layers=moe_layers, shared_intermediate=shared_inter, shared_style=shared_style,
-            router_bias=traits.router_bias and experts > 0, kv_lora_rank=kv_lora,
+            router_bias=traits.router_bias and experts > 0, router=traits.router,
+            router_linear_bias=traits.router_linear_bias and experts > 0, expert_bias=traits.expert_bias and experts > 0,
+            sinks=traits.sinks, kv_lora_rank=kv_lora,
             q_lora_rank=int(text.get("q_lora_rank") or 0) if kv_lora else 0,
             qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if kv_lora else 0,
             qk_nope_head_dim=int(text.get("qk_nope_head_dim") or 0) if kv_lora else 0,
@@ -268,10 +274,11 @@ def model_tensors(s: ModelShape) -> list[TensorSpec]:
     def norm(name, n, i):
         t.append(TensorSpec(f"{name}.weight", (n,), "norm", 1, i))
 
-    def mlp(pre, inter, i, count=1, tag="mlp"):
-        linear(f"{pre}.gate_proj", inter, s.hidden, i, f"{tag}_in", s.mlp_bias, count)
-        linear(f"{pre}.up_proj", inter, s.hidden, i, f"{tag}_in", s.mlp_bias, count)
-        linear(f"{pre}.down_proj", s.hidden, inter, i, f"{tag}_down", s.mlp_bias, count)
+    def mlp(pre, inter, i, count=1, tag="mlp", bias=None):
+        bias = s.mlp_bias if bias is None else bias
+        linear(f"{pre}.gate_proj", inter, s.hidden, i, f"{tag}_in", bias, count)
+        linear(f"{pre}.up_proj", inter, s.hidden, i, f"{tag}_in", bias, count)
+        linear(f"{pre}.down_proj", s.hidden, inter, i, f"{tag}_down", bias, count)
 
     for i in range(s.layers):
         L = f"{p}.layers.{i}"
@@ -296,13 +303,17 @@ def model_tensors(s: ModelShape) -> list[TensorSpec]:
             if s.qk_norm:
                 norm(f"{a}.q_norm", s.head_dim, i)
                 norm(f"{a}.k_norm", s.head_dim, i)
+            if s.sinks:
+                t.append(TensorSpec(f"{a}.sinks", (s.heads,), "bias", 1, i))
         if s.is_moe and s.moe_layers[i]:
             m = f"{L}.mlp"
-            t.append(TensorSpec(f"{m}.gate.weight", (s.experts, s.hidden), "router", 1, i))
+            t.append(TensorSpec(f"{m}.{s.router}.weight", (s.experts, s.hidden), "router", 1, i))
+            if s.router_linear_bias:
+                t.append(TensorSpec(f"{m}.{s.router}.bias", (s.experts,), "router", 1, i))
             if s.router_bias:
-                t.append(TensorSpec(f"{m}.gate.e_score_correction_bias", (s.experts,), "router", 1, i))
+                t.append(TensorSpec(f"{m}.{s.router}.e_score_correction_bias", (s.experts,), "router", 1, i))
             # each expert sees its own tokens: its own Hessian (counted `experts` times)
-            mlp(f"{m}.experts.*", s.expert_intermediate, i, s.experts, "expert")
+            mlp(f"{m}.experts.*", s.expert_intermediate, i, s.experts, "expert", s.mlp_bias or s.expert_bias)
             if s.shared_style == "qwen":
                 mlp(f"{m}.shared_expert", s.shared_intermediate, i, 1, "shared")
                 t.append(TensorSpec(f"{m}.shared_expert_gate.weight", (1, s.hidden), "router", 1, i))

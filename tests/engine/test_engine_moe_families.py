@@ -1,6 +1,7 @@
 """The MoE families added to the family table, loaded and run by vLLM's CPU build: Qwen2-MoE (routed experts, a
 shared expert behind a 16-bit sigmoid gate), DeepSeek-V3 (MLA attention, a dense first layer, routed and shared
-experts, a router bias) and GLM-4.5 (Llama-style attention, DeepSeek-style MoE). Each tiny random model, unquantized and in a weight-only and an INT8 W8A8 recipe, either
+experts, a router bias), GLM-4.5 (Llama-style attention, DeepSeek-style MoE) and gpt-oss (attention sinks, biased
+experts stored fused; its unquantized model runs as transformers computes it). Each tiny random model, unquantized and in a weight-only and an INT8 W8A8 recipe, either
 runs in vLLM and agrees with qtk's simulation of the same bytes within qtk.eval.engine_check.BOUNDS, or vLLM
 refuses it for the reason recorded here (REFUSALS), so a vLLM release that starts serving it fails this test."""
 
@@ -25,6 +26,7 @@ FAMILIES = {
     "glm4_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
                  "moe_intermediate_size": 128, "n_shared_experts": 1, "first_k_dense_replace": 1, "head_dim": 32,
                  "attention_bias": True, "use_qk_norm": True},
+    "gpt_oss": {"head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
 }
 RECIPES = ("(unquantized)", "w4a16", "w8a8-sq", "fp8-dynamic")
 # (family, recipe) -> a pattern of vLLM 0.32 CPU's own refusal, where it refuses: its CPU build has no fused-MoE
@@ -33,6 +35,13 @@ REFUSALS: dict[tuple[str, str], str] = {
     **{(f, "w4a16"): r"No WNA16 MoE backend supports the deployment configuration" for f in FAMILIES},
     **{(f, "w8a8-sq"): r"No Int8 MoE backend supports the deployment configuration" for f in FAMILIES},
     **{(f, "fp8-dynamic"): r"Unsupported FP8 MoE backend: NONE" for f in FAMILIES},
+    # gpt-oss: vLLM 0.32's gpt_oss.py load_weights reads quantized experts only as MXFP4 (quant_method mxfp4: fused
+    # *_blocks / *_scales), as quark's fused tensors, or one expert at a time under its own fused names
+    # (experts.{e}.w13_weight_packed / w13_weight_scale / w13_bias, gate and up interleaved; packed WNA16 and NVFP4 MoE
+    # methods only): not as per-expert gate_proj / up_proj / down_proj Linears, the layout qtk writes (llm-compressor's,
+    # which transformers + compressed-tensors decodes), whose biases its name mapping sends to a parameter it does not
+    # have. The backend refuses w4a16 and w8a8-sq before loading; FP8 gets to the loader, which refuses this way
+    ("gpt_oss", "fp8-dynamic"): r"KeyError: 'layers\.0\.mlp\.experts\.0\.w2_bias'",
 }
 # On CPUs with AMX tiles (Sapphire Rapids and newer) vLLM's CPU MoE kernels run int4 and int8 experts of a
 # softmax-routed model (measured: Qwen2-MoE); DeepSeek-style grouped routing with a router bias they still refuse
