@@ -233,8 +233,8 @@ GPT_OSS = Arch("gpt_oss", ("gpt_oss",), linears=(Q, K, V, O), fusion_groups=((Q,
                        fused=FusedExperts(transposed=True, interleaved=True, stored_fused=True),
                        activation="clamped_swiglu", vllm_reads_per_expert=False))
 
-# DeepSeek-V3 / R1 (Kimi-K2's config has this shape under its own model_type, which transformers has no class for:
-# planned, not converted): multi-head latent attention. The query goes
+# DeepSeek-V3 / R1 and Kimi-K2 (the same architecture under its own model_type, which transformers has no class for:
+# qtk reads its config.json with DeepseekV3Config, as vLLM does): multi-head latent attention. The query goes
 # through a low-rank pair q_a_proj -> q_a_layernorm -> q_b_proj (q_proj where q_lora_rank is null); K and V come from
 # one compressed latent, kv_a_proj_with_mqa (kv_lora_rank + the shared RoPE key) -> kv_a_layernorm -> kv_b_proj.
 # vLLM (deepseek_v2.py) runs every one of them with the checkpoint's quant_config: q_a_proj and kv_a_proj_with_mqa
@@ -301,6 +301,9 @@ class Family:
     arch: Arch | None
     traits: Traits | None = Traits()
     hf_class: str | None = None
+    # the model_type whose transformers config class reads this family's config.json, where transformers has none of
+    # its own: Kimi-K2 is DeepSeek-V3's architecture under another name (vLLM reads it with DeepseekV3Config too)
+    config_as: str | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -319,7 +322,7 @@ FAMILIES: dict[str, Family] = {
                           "Gemma3ForCausalLM"),
     "phi3": Family(PHI3, None, "Phi3ForCausalLM"),
     "deepseek_v2": Family(None, Traits()),
-    "kimi_k2": Family(None, Traits(router_bias=True)),
+    "kimi_k2": Family(DEEPSEEK_V3, Traits(router_bias=True), "DeepseekV3ForCausalLM", config_as="deepseek_v3"),
     "qwen2_moe": Family(QWEN2_MOE, Traits(qkv_bias=True, sliding="qwen"), "Qwen2MoeForCausalLM"),
     "deepseek_v3": Family(DEEPSEEK_V3, Traits(router_bias=True), "DeepseekV3ForCausalLM"),
     "glm4_moe": Family(GLM4_MOE, Traits(router_bias=True), "Glm4MoeForCausalLM"),
@@ -438,6 +441,12 @@ def arch_for(model_type: str | None, config: dict | None = None) -> Arch:
             raise ValueError(f"arch_for({model_type!r}) needs the config: an MoE architecture depends on its expert count")
         arch = with_experts(arch, config)
     return arch
+
+
+def config_model_type(model_type: str | None) -> str | None:
+    """The model_type transformers reads a family's config.json as (its own, or the family's config_as)."""
+    f = FAMILIES.get(model_type)
+    return f.config_as if f is not None and f.config_as else model_type
 
 
 def naming(model_type: str | None) -> Arch:

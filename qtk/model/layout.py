@@ -14,7 +14,7 @@ import math
 
 from dataclasses import dataclass
 
-from qtk.model.arch import DOWN, GATE, GATE_UP, K, O, Q, QKV, UP, V, Arch
+from qtk.model.arch import DOWN, GATE, GATE_UP, K, O, Q, QKV, UP, V, Arch, config_model_type
 
 Shape = tuple[int, ...]
 
@@ -144,7 +144,7 @@ def layout_from_config(config: dict, arch: Arch) -> Layout | None:
     """The Layout config.json implies for `arch` (qtk.model.arch.arch_for of the same config), or None where it
     leaves a size to transformers' config defaults. Sizes are checked by qtk.model.config_check first."""
     mt = config.get("model_type")
-    rules = RULES.get(mt)
+    rules = RULES.get(config_model_type(mt))  # Kimi-K2 by DeepSeek-V3's rules
     tie = config.get("tie_word_embeddings")
     need = {k: _int(config, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                          "num_key_value_heads", "num_hidden_layers", "vocab_size")}

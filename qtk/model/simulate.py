@@ -226,12 +226,14 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
     from the architecture table (ckpt.names)."""
     from transformers import AutoConfig
 
+    from qtk.model.arch import config_model_type
     from qtk.model.source import meta_skeleton
 
     cfg_dict = dict(ckpt.hf_config)
     cfg_dict.pop("quantization_config", None)
     model_type = cfg_dict.pop("model_type")
-    config = AutoConfig.for_model(model_type, **cfg_dict)
+    cfg_dict.pop("auto_map", None)
+    config = AutoConfig.for_model(config_model_type(model_type), **cfg_dict)
     model = meta_skeleton(config, dtype=dtype)
     names = ckpt.names
     sd = {k: v.to(dtype) for k, v in ckpt.dense_state_dict().items()}

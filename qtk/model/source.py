@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from qtk.errors import UsageError
-from qtk.model.arch import ARCHS, Arch, arch_for
+from qtk.model.arch import ARCHS, Arch, arch_for, config_model_type
 from qtk.model.config_check import check_against_weights, read_config_json, text_config
 from qtk.model.prequantized import split_fused_experts, source_quantization
 
@@ -77,7 +77,10 @@ class ModelSource:
         if not cfg.is_file():
             raise UsageError(f"{self.path} has no config.json", "point at a Hugging Face model directory (it holds config.json and *.safetensors)")
         self.config_dict = read_config_json(cfg)
-        if "auto_map" in self.config_dict and not trust_remote_code:
+        mt = self.config_dict.get("model_type")
+        # a family qtk reads with the transformers class of the architecture it is (Kimi-K2 as DeepSeek-V3) needs none
+        # of the code its auto_map names
+        if "auto_map" in self.config_dict and not trust_remote_code and config_model_type(mt) == mt:
             raise UsageError(f"{self.path.name} needs custom code from the model repository (config.json has auto_map)",
                              "review that code, then pass --trust-remote-code")
         self._check_code_files()
@@ -392,9 +395,18 @@ class ModelSource:
     def config(self):
         from transformers import AutoConfig
 
+        from qtk.model.arch import config_model_type
+
+        as_type = config_model_type(self.config_dict.get("model_type"))
         try:
-            cfg = AutoConfig.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code,
-                                             local_files_only=True)
+            if as_type != self.config_dict.get("model_type") and not self.trust_remote_code:
+                # a family transformers has no class for, read by the class of the architecture it is (Kimi-K2 as
+                # DeepSeek-V3), never by the code its auto_map names
+                fields = {k: v for k, v in self.config_dict.items() if k not in ("model_type", "auto_map")}
+                cfg = AutoConfig.for_model(as_type, **fields)
+            else:
+                cfg = AutoConfig.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code,
+                                                 local_files_only=True)
         except Exception as e:  # includes huggingface_hub's strict-dataclass validation errors
             raise UsageError(f"config.json cannot be read by transformers ({_one_line(e)})", "restore the model's original config.json") from None
         if self.quant is not None and hasattr(cfg, "quantization_config"):  # the model read is the dequantized one
