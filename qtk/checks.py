@@ -88,7 +88,7 @@ def expected_parameters(hf_config: dict) -> tuple[dict[str, list[int]], list[set
     """{parameter name: shape} of the model the config describes, and the groups of names that share one tensor
     (tied embeddings: one of each group must be stored). From config.json alone where it says every size
     (qtk.model.layout), else from a meta-device skeleton (no memory)."""
-    from qtk.model.arch import ARCHS, arch_for, config_model_type
+    from qtk.model.arch import ARCHS, arch_for
     from qtk.model.layout import layout_from_config
 
     cfg = dict(hf_config)
@@ -102,15 +102,10 @@ def expected_parameters(hf_config: dict) -> tuple[dict[str, list[int]], list[set
     if layout is not None:
         shapes = {k: list(v) for k, v in layout.shapes().items()}
         return shapes, [set(g) for g in layout.groups()]
-    from transformers import AutoConfig
+    from qtk.model.source import config_from_dict, meta_skeleton
 
-    from qtk.model.source import meta_skeleton
-
-    model_type = cfg.pop("model_type", None)
     try:
-        cfg.pop("auto_map", None)
-        config = AutoConfig.for_model(config_model_type(model_type), **cfg)
-        model = meta_skeleton(config)
+        model = meta_skeleton(config_from_dict(cfg))
     except QtkError:
         raise
     except Exception as e:  # transformers' config validation raises many types

@@ -224,16 +224,9 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
     activations fake-quantized with the scheme and static scale its config gives that module (ckpt.scheme_for), and
     the KV cache with the checkpoint's own scales, rounded as `kv_rounding` says (kv_fake_quant). Module names come
     from the architecture table (ckpt.names)."""
-    from transformers import AutoConfig
+    from qtk.model.source import config_from_dict, meta_skeleton
 
-    from qtk.model.arch import config_model_type
-    from qtk.model.source import meta_skeleton
-
-    cfg_dict = dict(ckpt.hf_config)
-    cfg_dict.pop("quantization_config", None)
-    model_type = cfg_dict.pop("model_type")
-    cfg_dict.pop("auto_map", None)
-    config = AutoConfig.for_model(config_model_type(model_type), **cfg_dict)
+    config = config_from_dict(ckpt.hf_config)
     model = meta_skeleton(config, dtype=dtype)
     names = ckpt.names
     sd = {k: v.to(dtype) for k, v in ckpt.dense_state_dict().items()}

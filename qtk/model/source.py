@@ -31,6 +31,16 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def config_from_dict(config: dict):
+    """The transformers config a config.json's dict describes, read by the class of the family's architecture
+    (`config_model_type`: Kimi-K2 by DeepSeek-V3's), never by code its auto_map names; the quantization_config is
+    left out (the model read is the dequantized one)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map", "quantization_config")}
+    return AutoConfig.for_model(config_model_type(config.get("model_type")), **fields)
+
+
 def meta_skeleton(config, trust_remote_code: bool = False, dtype=torch.float32):
     """Build a causal LM whose parameters live on the meta device while its buffers are real CPU tensors.
 
@@ -395,15 +405,12 @@ class ModelSource:
     def config(self):
         from transformers import AutoConfig
 
-        from qtk.model.arch import config_model_type
-
-        as_type = config_model_type(self.config_dict.get("model_type"))
+        model_type = self.config_dict.get("model_type")
         try:
-            if as_type != self.config_dict.get("model_type") and not self.trust_remote_code:
+            if config_model_type(model_type) != model_type and not self.trust_remote_code:
                 # a family transformers has no class for, read by the class of the architecture it is (Kimi-K2 as
                 # DeepSeek-V3), never by the code its auto_map names
-                fields = {k: v for k, v in self.config_dict.items() if k not in ("model_type", "auto_map")}
-                cfg = AutoConfig.for_model(as_type, **fields)
+                cfg = config_from_dict(self.config_dict)
             else:
                 cfg = AutoConfig.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code,
                                                  local_files_only=True)
