@@ -113,7 +113,7 @@ def main():
 @click.option("--output", "-o", "out", required=True, type=click.Path(path_type=str), help="Output directory; each target goes to OUT/<target>/.")
 @click.option("--target", "-t", "targets", multiple=True, default=("vllm",), show_default=True,
               help=f"Output format; repeat for several: {', '.join(TARGETS)}.")
-@click.option("--calib", default=None, help="Calibration text: 'default', a .jsonl/.txt/.parquet file, a dataset directory, or a Hugging Face dataset id.")
+@click.option("--calib", default=None, help="Calibration text: 'default', a .jsonl/.txt/.parquet file, a dataset directory, or a Hugging Face dataset id; for a vision-language model also image+text: a .jsonl whose rows name an 'image' (a path relative to it) and text, or a folder of images.")
 @click.option("--split", default=None, help="Split of a calibration dataset directory or hub id [train, or its only split].")
 @click.option("--text-field", default=None, help=f"Text field/column of the calibration data; a list of chat turns (e.g. messages) gets the model's chat template {RECIPE_DEFAULT}.")
 @click.option("--num-samples", type=int, default=None, help=f"Calibration windows {RECIPE_DEFAULT}.")

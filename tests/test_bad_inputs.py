@@ -78,6 +78,11 @@ CATALOGUE = {
     "calib-empty-dir": "calibration directory with no data files",
     "calib-split-missing": "--split that the calibration dataset does not have",
     "calib-chat-no-template": "chat turns (--text-field messages) for a model without a chat template",
+    "calib-images-text-model": "image+text calibration rows (--calib with 'image' rows) for a text-only model",
+    "calib-image-missing": "image+text calibration: a row's image file is not there",
+    "calib-image-unreadable": "image+text calibration: a row's image is not an image",
+    "calib-image-seq-len": "image+text calibration: --seq-len no longer than an image's tokens",
+    "calib-images-deepstack": "image+text calibration of Qwen3-VL (deepstack)",
     # options
     "seq-len-too-long": "--seq-len above max_position_embeddings",
     "num-samples-zero": "--num-samples 0",
@@ -520,6 +525,31 @@ def test_calibration_split_and_chat(tmp_path, tiny_llama):
     code, out = convert(tmp_path, tiny_llama, "--calib", chat, "--text-field", "messages", recipe="int8-kv8")
     expect("calib-chat-no-template", code, out, tmp_path, "holds chat turns, but the model's tokenizer has no chat template",
            "--text-field")
+
+
+def test_image_calibration(tmp_path, tiny_llama):
+    from vlm_models import image, make_tiny_vlm
+
+    rows = tmp_path / "images.jsonl"
+    image(size=(28, 28)).save(tmp_path / "a.png")
+    rows.write_text(json.dumps({"image": "a.png", "text": "a picture"}) + "\n")
+    code, out = convert(tmp_path, tiny_llama, "--calib", rows, recipe="w4a16-gptq")
+    expect("calib-images-text-model", code, out, tmp_path, "holds images, but llama is a text-only model", "on text")
+    src = make_tiny_vlm(tmp_path / "vlm", "gemma3")
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({"image": "nope.png", "text": "x"}) + "\n")
+    code, out = convert(tmp_path, src, "--calib", missing, recipe="w4a16-gptq")
+    expect("calib-image-missing", code, out, tmp_path, "nope.png does not exist", "relative to the .jsonl")
+    (tmp_path / "junk.png").write_bytes(b"not an image")
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text(json.dumps({"image": "junk.png", "text": "x"}) + "\n")
+    code, out = convert(tmp_path, src, "--calib", junk, recipe="w4a16-gptq")
+    expect("calib-image-unreadable", code, out, tmp_path, "junk.png cannot be read", "PNG, JPEG")
+    code, out = convert(tmp_path, src, "--calib", rows, "--seq-len", "6", recipe="w4a16-gptq")
+    expect("calib-image-seq-len", code, out, tmp_path, "leaves no room for text after an image's 6 tokens", "--seq-len 71")
+    qwen3 = make_tiny_vlm(tmp_path / "qwen3", "qwen3_vl")
+    code, out = convert(tmp_path, qwen3, "--calib", rows, recipe="w4a16-gptq")
+    expect("calib-images-deepstack", code, out, tmp_path, "not supported for qwen3_vl", "from text")
 
 
 # ---- options ----

@@ -59,12 +59,21 @@ def calibration_for(source, recipe, options, stage, timings: dict):
     """The calibration token ids [num_samples, seq_len] of a run (None when the recipe needs none), drawn with
     qtk.calib.calibration_ids from the recipe's and the options' settings or given as options.calib_ids, and their
     manifest entry."""
+    ids, info, images = calibration_inputs(source, recipe, options, stage, timings)
+    if images is not None:  # windows of image tokens are only right with the images beside them
+        raise UsageError("image+text calibration is taken by qtk convert only", "calibrate from text here")
+    return ids, info
+
+
+def calibration_inputs(source, recipe, options, stage, timings: dict):
+    """calibration_for's ids and manifest entry, and the image inputs of image+text windows (None for text):
+    --calib naming images (qtk.calib_images) makes windows of an image's tokens and text."""
     import torch
 
     from qtk.calib import ChatTemplate, calibration_ids as draw_windows, ids_hash, load_texts
 
     if not recipe.needs_calibration:
-        return None, {"used": False}
+        return None, {"used": False}, None
     if options.calib_ids is not None:
         ids = torch.as_tensor(options.calib_ids)
         if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 or ids.is_floating_point() or ids.is_complex():
@@ -78,17 +87,26 @@ def calibration_for(source, recipe, options, stage, timings: dict):
             raise UsageError(f"calib_ids holds ids outside the model's vocabulary [0, {vocab})", "tokenize with this model's tokenizer")
         ids = ids.long()
         return ids, {"used": True, "dataset": "calib_ids (pre-tokenized)", "num_samples": ids.shape[0],
-                     "seq_len": ids.shape[1], "seed": None, "token_hash": ids_hash(ids)}
+                     "seq_len": ids.shape[1], "seed": None, "token_hash": ids_hash(ids)}, None
     stage("calibration data")
     t0 = time.perf_counter()
     c = recipe.calibration
     spec = options.calib or c.dataset
     field_ = options.text_field or c.text_field
-    chat = ChatTemplate(source.tokenizer)  # applied to a field that holds chat turns
-    texts = load_texts(spec, field_, options.split, chat=chat)
     n = c.num_samples if options.num_samples is None else options.num_samples
     T = c.seq_len if options.seq_len is None else options.seq_len
     s = c.seed if options.seed is None else options.seed
+    from qtk.calib_images import image_calibration, is_image_spec
+
+    if is_image_spec(spec):
+        if n <= 0 or T < 2:
+            raise UsageError(f"--num-samples must be > 0 and --seq-len >= 2 (got {n}, {T})", "use e.g. --num-samples 64 --seq-len 256")
+        ids, images = image_calibration(source, spec, field_, n, T, s)
+        timings["calibration_data"] = time.perf_counter() - t0
+        return ids, {"used": True, "dataset": spec, "text_field": field_, "num_samples": n, "seq_len": T, "seed": s,
+                     "token_hash": ids_hash(ids), **images.info}, images
+    chat = ChatTemplate(source.tokenizer)  # applied to a field that holds chat turns
+    texts = load_texts(spec, field_, options.split, chat=chat)
     if n <= 0 or T < 2:
         raise UsageError(f"--num-samples must be > 0 and --seq-len >= 2 (got {n}, {T})", "use e.g. --num-samples 64 --seq-len 256")
     ids = draw_windows(chat.tokenizer, texts, n, T, s)
@@ -99,4 +117,4 @@ def calibration_for(source, recipe, options, stage, timings: dict):
         info["chat_template"] = {"applied": True, "conversations": chat.conversations, "sha256": chat.template_sha256,
                                  "note": f"each '{field_}' conversation read was rendered with the model's chat template "
                                          "(texts are read only as far as the windows need)"}
-    return ids, info
+    return ids, info, None

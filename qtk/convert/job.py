@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from qtk import interrupts
 from qtk.convert import calibration, manifest, output
 from qtk.convert.options import ConvertOptions
-from qtk.errors import CheckFailed, QtkError
+from qtk.errors import CheckFailed, QtkError, UsageError
 from qtk.io import faults
 from qtk.io.atomic import BackgroundFlush, fsync_tree
 
@@ -58,6 +58,7 @@ class ConvertJob:
         self.timings: dict[str, float] = {}
         self.messages: list[str] = []
         self.state = None  # the resume state, with --resume
+        self.images = None  # the image inputs of image+text calibration windows (qtk.calib_images)
         self.writers: list = []
         self.t_start = time.perf_counter()
         self.flushing: BackgroundFlush | None = None
@@ -71,7 +72,8 @@ class ConvertJob:
             if self.writes:
                 self.output.open()  # OUT created and locked for the run; what killed runs left there is swept
             try:
-                ids, calib_info = calibration.calibration_for(self.source, self.recipe, self.options, self.stage, self.timings)
+                ids, calib_info, self.images = calibration.calibration_inputs(self.source, self.recipe, self.options,
+                                                                              self.stage, self.timings)
                 ids = self.share(ids)
                 self.open_writers(calib_info)
                 stats = self.quantize(ids)
@@ -124,6 +126,8 @@ class ConvertJob:
         """This process's calibration windows, whole micro-batches of --batch-size (all of them in one process)."""
         if ids is None or self.reducer.world_size == 1:
             return ids
+        if self.images is not None:
+            raise UsageError("image+text calibration runs in one process", "run it without torchrun, or calibrate from text")
         from qtk.pipeline.distributed import split_windows
 
         return split_windows(ids, self.rank, self.reducer.world_size, self.options.batch_size)
@@ -217,7 +221,7 @@ class ConvertJob:
         else:
             stats = run(self.source, self.recipe, ids, self.writers, batch_size=o.batch_size, on_layer=on_layer,
                         resume=self.state, device=self.device, reducer=self.reducer,
-                        max_device_memory=o.max_device_memory, overlap=o.overlap)
+                        max_device_memory=o.max_device_memory, overlap=o.overlap, images=self.images)
         if stats is None:
             from qtk.pipeline import PipelineStats
 
@@ -274,7 +278,7 @@ class ConvertJob:
         t0 = time.perf_counter()
         self.stage(f"starting {engine} for the engine check")
         texts = load_texts(self.options.calib, self.options.text_field or "text", self.options.split) \
-            if self.options.calib not in (None, "default") else None
+            if self.options.calib not in (None, "default") and self.images is None else None
         windows = check_windows(self.source.tokenizer(), texts=texts,
                                 max_len=self.source.config_dict.get("max_position_embeddings") or None)
         results = {}

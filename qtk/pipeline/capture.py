@@ -33,15 +33,19 @@ class _Catcher(torch.nn.Module):
         return hidden_states
 
 
-def capture_layer_inputs(source, skeleton, ids: torch.Tensor, batch_size: int, device=None):
+def capture_layer_inputs(source, skeleton, ids: torch.Tensor, batch_size: int, device=None, images=None):
     """Run embeddings (+ rotary, masks) once per batch with every layer replaced by a catcher; the embeddings and the
-    token ids on `device` (default: the CPU).
+    token ids on `device` (default: the CPU). images: a qtk.calib_images.ImageInputs for image+text windows: the
+    vision tower and projector are loaded for the capture and the model's own forward merges their features.
 
     Returns (batches, layer_kwargs): batches = [(hidden states into layer 0, its kwargs)] and
     layer_kwargs[i][b] = the kwargs layer i gets for batch b (shared tensors, so this costs no memory)."""
     arch = source.arch
-    embed_meta = skeleton.get_submodule(arch.embed)
-    replace_module(skeleton, arch.embed, source.load_module(embed_meta, arch.embed + ".", compute_dtype(source), device=device))
+    dtype = compute_dtype(source)
+    loaded = (arch.embed,) + (tuple(images.modules) if images is not None else ())
+    metas = {name: skeleton.get_submodule(name) for name in loaded}
+    for name, meta in metas.items():
+        replace_module(skeleton, name, source.load_module(meta, name + ".", dtype, device=device))
     if device is not None:
         ids = ids.to(device)
     layers = skeleton.get_submodule(arch.layers)
@@ -52,15 +56,17 @@ def capture_layer_inputs(source, skeleton, ids: torch.Tensor, batch_size: int, d
         layers[i] = _Catcher(store, i, i == n - 1, getattr(layer, "attention_type", None))
     try:
         with torch.no_grad():
-            for batch in ids.split(batch_size):
+            for start, batch in zip(range(0, ids.shape[0], batch_size), ids.split(batch_size)):
+                extra = images.batch(batch, start, dtype) if images is not None else {}
                 try:
-                    skeleton(input_ids=batch, use_cache=False)
+                    skeleton(input_ids=batch, use_cache=False, **extra)
                 except _StopForward:
                     pass
     finally:
         for i, layer in enumerate(originals):
             layers[i] = layer
-        replace_module(skeleton, arch.embed, embed_meta)
+        for name, meta in metas.items():
+            replace_module(skeleton, name, meta)
     batches = [(h, kw) for i, h, kw in store if i == 0]
     layer_kwargs = [[kw for j, _, kw in store if j == i] for i in range(n)]
     return batches, layer_kwargs

@@ -205,7 +205,8 @@ def _propagate(ctx: LayerContext):
 
 def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, batch_size: int = 8,
         on_layer: Callable[[int, int, LayerDone], None] | None = None, resume=None, device=None,
-        reducer: Reducer = LOCAL, max_device_memory: int | None = None, overlap: bool = True) -> PipelineStats:
+        reducer: Reducer = LOCAL, max_device_memory: int | None = None, overlap: bool = True,
+        images=None) -> PipelineStats:
     """Stream the model through the recipe into every sink (writer): dense tensors, then layer by layer.
 
     on_layer(done, total, LayerDone) after each layer. resume: a qtk.convert.resume.ResumeState; completed layers
@@ -214,7 +215,8 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     one process); with several, calib_ids are this process's windows, and only the process that writes passes sinks
     and resume. max_device_memory: bytes of calibration activations kept on the device (the rest wait in pinned host
     memory). overlap: load layer i+1 and write layer i in background threads while layer i computes (the same
-    bytes are written either way: each sink sees the layers in order, from one thread)."""
+    bytes are written either way: each sink sees the layers in order, from one thread). images: the image inputs of
+    image+text calibration windows (qtk.calib_images.ImageInputs)."""
     device = resolve_device(device)
     stats = PipelineStats()
     source = source_view(source, recipe)  # the job's own view already (a view of a view is itself)
@@ -227,7 +229,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
         use_qtk_attention(skeleton)
     if sinks:  # a process that writes nothing need not read them
         write_non_layer(source, sinks)
-    batches, layer_kwargs = (capture_layer_inputs(source, skeleton, calib_ids, batch_size, device)
+    batches, layer_kwargs = (capture_layer_inputs(source, skeleton, calib_ids, batch_size, device, images)
                              if calib_ids is not None else (None, None))
     stats.timings["capture"] = time.perf_counter() - t0
 
