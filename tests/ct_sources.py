@@ -1,6 +1,6 @@
 """compressed-tensors sources built in the tests: a 16-bit model converted by qtk's vllm target (the formats qtk writes
 and reads back), and the BF16 model such a source stands for, decompressed by compressed-tensors itself inside
-transformers (`CompressedTensorsConfig(run_compressed=False)`), independently of qtk's decode."""
+transformers (`CompressedTensorsConfig(dequantize=True)`), independently of qtk's decode."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def make_ct_source(bf16: Path, dst: Path, recipe: str, calib=None, **options) ->
 
 def decompressed_reference(ct: Path, dst: Path) -> Path:
     """The BF16 model a compressed-tensors checkpoint stands for, as compressed-tensors decompresses it: every
-    parameter of the model transformers loads with run_compressed=False, saved beside the source's config.json
+    parameter of the model transformers loads with dequantize=True, saved beside the source's config.json
     without its quantization_config and the source's side files."""
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
@@ -32,7 +32,7 @@ def decompressed_reference(ct: Path, dst: Path) -> Path:
     cfg = json.loads((Path(ct) / "config.json").read_text())
     qc = cfg.pop("quantization_config")
     assert qc["quant_method"] == "compressed-tensors"
-    m = AutoModelForCausalLM.from_pretrained(str(ct), quantization_config=CompressedTensorsConfig(run_compressed=False),
+    m = AutoModelForCausalLM.from_pretrained(str(ct), quantization_config=CompressedTensorsConfig(dequantize=True),
                                              dtype=getattr(torch, cfg.get("dtype") or "bfloat16"))
     sd = {k: v.contiguous() for k, v in m.state_dict().items()}
     if cfg.get("tie_word_embeddings"):

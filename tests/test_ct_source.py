@@ -95,7 +95,7 @@ def test_mixed_precision_source(tmp_path):
     """A mixed-precision source (an int8-channel group naming down_proj beside the int4 "Linear" group, one layer's
     attention ignored) decodes each module by its own group, as compressed-tensors resolves them: equal to
     compressed-tensors' own unpacking and dequantize with that group's QuantizationArgs, module by module.
-    (transformers' run_compressed=False load decompresses the int8 group of this checkpoint as int4 with
+    (transformers' dequantize=True load decompresses the int8 group of this checkpoint as int4 with
     compressed-tensors 0.20.1, so the whole-model reference of the tests above is not used here.)"""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs

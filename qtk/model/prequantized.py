@@ -287,7 +287,7 @@ class CompressedTensors:
     """A compressed-tensors source (quant_method compressed-tensors, as qtk's vllm target and llm-compressor write
     it): each quantized Linear decoded as qtk's own reader decodes it (qtk.export.vllm.CompressedTensorsCheckpoint:
     the config groups resolved by exact name, regex, then class "Linear"; each group's number format's `decode`,
-    qtk.export.codecs.ct), then rounded once to the model dtype (qtk.model.simulate.engine_weight: the weight the
+    qtk.export.codecs.ct), then rounded once to the model dtype (qtk.model.simulate.engine_weight's weight, the one the
     engine computes with). Everything is checked from the headers before any work: each module's tensors against its
     group's format (`Format.check_stored`), quantized tensors no group targets or that the ignore list names, Linears a
     group targets stored in 16 bits."""
@@ -430,10 +430,11 @@ class CompressedTensors:
     def _make(keys, scheme):
         def make(dtype, *tensors):
             from qtk.export.codecs import ct
-            from qtk.model.simulate import engine_weight
 
             qt = ct.decode(dict(zip(keys, tensors)), scheme.weights, dtype)
-            return engine_weight(qt).to(dtype)
+            # qtk.model.simulate.engine_weight rounded to `dtype` (the QTensor's own): the float32 decode rounded once,
+            # without engine_weight's float32 copy of a weight that decodes in the model dtype
+            return qt.dequantize().to(dtype)
         return make
 
     # ---- what it means for a recipe ----
