@@ -126,6 +126,41 @@ def test_mixed_precision_source(tmp_path):
     assert kinds["model.layers.0.mlp.up_proj"] == "int4 group64 sym"
 
 
+def test_act_order_g_idx_source(tmp_path):
+    """An older compressed-tensors checkpoint with activation ordering (actorder "group": a weight_g_idx naming each
+    input column's group, which compressed-tensors 0.20 itself no longer loads) decodes each column with its group's
+    scale and zero point: equal to compressed-tensors' own unpacking of the codes and zero points, dequantized here
+    column by column from the format's definition ((q - z[g]) * s[g] in the scales' dtype)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file, save_file
+
+    orig = make_tiny_model(tmp_path / "orig", layers=1, hidden=256, intermediate=256, heads=4, kv_heads=2)
+    recipe = tmp_path / "asym.yaml"
+    recipe.write_text("name: asym\nweights: {num_bits: 4, strategy: group, group_size: 128, symmetric: false}\n"
+                      "ignore: [lm_head]\n")
+    ct = make_ct_source(orig, tmp_path / "ct", str(recipe))
+    sd = load_file(str(ct / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for k in [k for k in sd if k.endswith(".weight_shape")]:
+        sd[k.replace("_shape", "_g_idx")] = (torch.randperm(int(sd[k][1]), generator=g) // 128).to(torch.int32)
+    save_file(sd, str(ct / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((ct / "config.json").read_text())
+    (weights,) = [grp["weights"] for grp in cfg["quantization_config"]["config_groups"].values()]
+    weights["actorder"] = "group"
+    (ct / "config.json").write_text(json.dumps(cfg))
+    src = ModelSource(ct)
+    assert len(src.derived) == 7 and not weights["symmetric"]
+    for n in src.derived:
+        m = n[: -len(".weight")]
+        out_f, in_f = sd[f"{m}.weight_shape"].tolist()
+        q = unpack_from_int32(sd[f"{m}.weight_packed"], 4, torch.Size([out_f, in_f])).to(torch.bfloat16)
+        s = sd[f"{m}.weight_scale"]
+        z = unpack_from_int32(sd[f"{m}.weight_zero_point"], 4, torch.Size([out_f, s.shape[1]]), packed_dim=0)
+        gi = sd[f"{m}.weight_g_idx"].long()
+        want = (q - z[:, gi].to(torch.bfloat16)) * s[:, gi]
+        assert torch.equal(src.tensor(n), want), n
+
+
 def test_llm_compressor_source(tmp_path):
     """A source written by llm-compressor itself (oneshot W4A16, data-free), read as compressed-tensors decompresses
     it."""
