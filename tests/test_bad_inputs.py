@@ -50,6 +50,16 @@ CATALOGUE = {
     "mxfp4-source-scales-missing": "gpt-oss MXFP4 source: an expert tensor's _scales are missing",
     "mxfp4-source-other-family": "MXFP4 quantization_config on a model other than gpt-oss",
     "mxfp4-source-same-format": "gpt-oss MXFP4 source converted to MXFP4 (recipe mxfp4-a16)",
+    "ct-source-not-compressed": "compressed-tensors source whose quantization_status is not compressed (frozen)",
+    "ct-source-sparse": "compressed-tensors source with a sparsity_config (2:4 sparse weights)",
+    "ct-source-transforms": "compressed-tensors source with a transform_config (online rotations)",
+    "ct-source-unknown-format": "compressed-tensors source in a format qtk does not decode (marlin-24)",
+    "ct-source-no-weights": "compressed-tensors config group that quantizes activations only",
+    "ct-source-untargeted": "compressed-tensors source: a module holds quantized tensors no config group targets",
+    "ct-source-ignored": "compressed-tensors source: a module holds quantized tensors the config's ignore lists",
+    "ct-source-mismatch": "compressed-tensors source: a weight_scale whose shape is not its group's scheme's",
+    "ct-source-unquantized": "compressed-tensors source: a Linear the \"Linear\" group targets is stored in 16 bits",
+    "ct-source-same-format": "compressed-tensors source converted to its own weight format (w8a16 to w8a16)",
     "vlm-target": "vision-language model (gemma3) to a target that cannot keep its vision tower out (gptq)",
     "remote-code": "custom code required (auto_map) without --trust-remote-code",
     "remote-code-missing": "--trust-remote-code, but the code file is not in the directory",
@@ -309,8 +319,8 @@ def test_config_json_malformed(tmp_path, model, case, text, needle):
     ("model-type-unknown", {"model_type": "gpt2"}, ("model_type 'gpt2' is not supported", "supported: ")),
     ("config-inconsistent", {"num_attention_heads": 3}, ("num_key_value_heads 2 does not divide num_attention_heads 3", "restore")),
     ("config-wrong-type", {"num_hidden_layers": "two"}, ("num_hidden_layers is 'two', not a whole number", "restore")),
-    ("already-quantized", {"quantization_config": {"quant_method": "compressed-tensors"}},
-     ("already quantized", "compressed-tensors", "original unquantized")),
+    ("already-quantized", {"quantization_config": {"quant_method": "gptq"}},
+     ("already quantized", "gptq", "qtk dequantizes only compressed-tensors", "original unquantized")),
 ])
 def test_config_values(tmp_path, model, case, changes, needles):
     edit_config(model, **changes)
@@ -356,6 +366,55 @@ def test_mxfp4_source_refusals(tmp_path, case, damage, recipe, needles):
     bf16 = make_tiny_model(tmp_path / "bf16", model_type="gpt_oss", layers=2, hidden=64, intermediate=64, head_dim=32,
                            num_local_experts=2, num_experts_per_tok=1)
     src, _ = make_mxfp4_source(bf16, tmp_path / "mxfp4")
+    damage(src)
+    code, out = convert(tmp_path, src, recipe=recipe)
+    expect(case, code, out, tmp_path, *needles)
+
+
+def _ct_group(d: Path, **changes) -> None:
+    qc = json.loads((d / "config.json").read_text())["quantization_config"]
+    qc["config_groups"]["group_0"].update(changes)
+    edit_config(d, quantization_config=qc)
+
+
+def _ct_unquantize(sd: dict) -> None:
+    m = "model.layers.1.mlp.up_proj"
+    for k in ("weight_packed", "weight_scale", "weight_shape"):
+        sd.pop(f"{m}.{k}")
+    sd[f"{m}.weight"] = torch.zeros(256, 128, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("case,damage,recipe,needles", [
+    ("ct-source-not-compressed", lambda d: _edit_qc(d, quantization_status="frozen"), "fp8-dynamic",
+     ("quantization_status is frozen, not compressed", "original unquantized")),
+    ("ct-source-sparse", lambda d: _edit_qc(d, sparsity_config={"format": "sparse-24-bitmask", "targets": ["Linear"]}),
+     "fp8-dynamic", ("has a sparsity_config (sparse weights)", "does not read")),
+    ("ct-source-transforms", lambda d: _edit_qc(d, transform_config={"config_groups": {"R1": {"type": "hadamard"}}}),
+     "fp8-dynamic", ("has a transform_config (online transforms)", "does not read")),
+    ("ct-source-unknown-format", lambda d: (_edit_qc(d, format="marlin-24"), _ct_group(d, format="marlin-24")),
+     "fp8-dynamic", ("group_0 is in format marlin-24, which qtk does not decode", "pack-quantized")),
+    ("ct-source-no-weights", lambda d: _ct_group(d, weights=None, input_activations={"num_bits": 8}), "fp8-dynamic",
+     ("group_0 quantizes no weights",)),
+    ("ct-source-untargeted", lambda d: _ct_group(d, targets=["re:.*self_attn.*"]), "fp8-dynamic",
+     ("model.layers.0.mlp.down_proj holds quantized tensors but no config group", "does not match its config")),
+    ("ct-source-ignored", lambda d: _edit_qc(d, ignore=["lm_head", "model.layers.1.mlp.up_proj"]), "fp8-dynamic",
+     ("model.layers.1.mlp.up_proj holds quantized tensors but", "config ignores it")),
+    ("ct-source-mismatch",
+     lambda d: edit_weights(d, lambda sd: sd.update({"model.layers.1.mlp.up_proj.weight_scale":
+                                                     torch.ones(64, 1, dtype=torch.bfloat16)})),
+     "fp8-dynamic", ("model.layers.1.mlp.up_proj.weight_scale has shape [64, 1]", "does not match its config")),
+    ("ct-source-unquantized", lambda d: edit_weights(d, _ct_unquantize), "fp8-dynamic",
+     ("model.layers.1.mlp.up_proj is stored unquantized but a config group", "does not match its config")),
+    ("ct-source-same-format", lambda d: None, "w8a16",
+     ("already int8 channel sym (compressed-tensors)", "serve the source as it is")),
+])
+def test_compressed_tensors_source_refusals(tmp_path, model, case, damage, recipe, needles):
+    """compressed-tensors sources (qtk.model.prequantized.CompressedTensors): a config the reader cannot follow, or
+    tensors that do not match their config, refused by name before any work; so is converting one to its own
+    format."""
+    from qtk import api
+
+    src = api.convert(model, "w8a16", tmp_path / "ct", hash_source=False).outputs["vllm"]
     damage(src)
     code, out = convert(tmp_path, src, recipe=recipe)
     expect(case, code, out, tmp_path, *needles)

@@ -45,6 +45,21 @@ class ConvertResult:
     messages: list[str] = field(default_factory=list)  # about the run, not the outputs (e.g. where a resume began)
 
 
+def check_before_work(source, recipe, export_options, writer_classes) -> None:
+    """What a recipe is refused for on this model and these targets from config.json and the headers alone (no data
+    read): ignore and override patterns, the KV cache, the source's own format, each target's writer check, group sizes.
+    `prepare` runs it; scripts/target_matrix.py asks it for every family x recipe x target (docs/families.md)."""
+    from qtk.export import check_targets
+    from qtk.pipeline import check_group_size, check_ignore, check_source_format
+    from qtk.pipeline.targets import check_kv_cache
+
+    check_ignore(source, recipe)
+    check_kv_cache(source, recipe)
+    check_source_format(source, recipe)
+    check_targets(source, recipe, export_options, writer_classes)  # refuse unsupported combinations first
+    check_group_size(source, recipe)  # from the headers, before calibration data is loaded
+
+
 class ConvertJob:
     """Quantize `model` with `recipe` into one checkpoint per target under `out/<target>/` (see qtk.api.convert)."""
 
@@ -148,10 +163,8 @@ class ConvertJob:
     def prepare(self) -> None:
         """Everything that can be refused before any data is read or any tensor loaded: targets, the model, OUT,
         ignore and override patterns, each writer's check, group sizes, the calibration's size, the tensors."""
-        from qtk.export import check_targets, writer_for
+        from qtk.export import writer_for
         from qtk.model.source import ModelSource
-        from qtk.pipeline import check_group_size, check_ignore, check_source_format
-        from qtk.pipeline.targets import check_kv_cache
 
         r, o = self.recipe, self.options
         self.export_options = o.export
@@ -162,11 +175,7 @@ class ConvertJob:
             from qtk.convert.resume import check_state_dir
 
             check_state_dir(self.out)
-        check_ignore(self.source, r)
-        check_kv_cache(self.source, r)
-        check_source_format(self.source, r)
-        check_targets(self.source, r, self.export_options, self.writer_classes)  # refuse unsupported combinations first
-        check_group_size(self.source, r)  # from the headers, before calibration data is loaded
+        check_before_work(self.source, r, self.export_options, self.writer_classes)
         calibration.warn_unused(r, o)
         calibration.check_size(self.source, r, o)
         # every tensor checked against the config (names, shapes) before any work: by the layout config.json implies

@@ -18,6 +18,10 @@ each one when the layer loop or the stream reads it. Three kinds:
   [E, out, in/32, 16], two e2m1 codes per byte, the even element in the low nibble, and `X_scales` uint8 [E, out,
   in/32], E8M0 exponents biased by 127 (transformers' integrations/mxfp4.py reads them so: lut[nibble] * 2^(s - 127)).
   Each expert's rows are decoded when read (float32 product, one rounding to the model dtype).
+- compressed-tensors checkpoints (`quantization_config: {quant_method: compressed-tensors}`, as qtk's vllm target and
+  llm-compressor write them: pack-quantized int4/int8, int-quantized, float-quantized FP8, nvfp4-pack-quantized,
+  mxfp4-pack-quantized): each quantized Linear decoded through its config group's number format, the decode qtk's
+  reader uses (qtk.quant.formats via qtk.export.codecs.ct), rounded once to the model dtype.
 
 Everything is checked from the headers before any work: a quantized weight with no scale, a scale with no weight,
 a scale grid that is not the blocks' (a damaged or mislabelled source), a weight in another dtype than its format's."""
@@ -55,19 +59,21 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def source_quantization(config: dict, name: str) -> "FP8Blocks | MXFP4Experts | None":
+def source_quantization(config: dict, name: str, path=None) -> "FP8Blocks | MXFP4Experts | CompressedTensors | None":
     """The quantization of a source from its config.json: None for a 16-bit model, FP8Blocks for an FP8-block source,
-    MXFP4Experts for gpt-oss's MXFP4 experts; any other quantized source is refused (one line, before any work)."""
+    MXFP4Experts for gpt-oss's MXFP4 experts, CompressedTensors for a compressed-tensors checkpoint; any other
+    quantized source is refused (one line, before any work)."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
     method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
     if method == "mxfp4":
         return MXFP4Experts.of(qc, config, name)
+    if method == CompressedTensors.method:
+        return CompressedTensors.of(qc, config, name, path)
     if method != "fp8":
-        why = {"compressed-tensors": "its formats are decoded only as qtk's own checkpoints, not as a source"}.get(
-            str(method), "qtk dequantizes only FP8-block sources (quant_method fp8 with weight_block_size) and "
-                         "gpt-oss's MXFP4 experts (quant_method mxfp4)")
+        why = ("qtk dequantizes only compressed-tensors sources, FP8-block sources (quant_method fp8 with "
+               "weight_block_size) and gpt-oss's MXFP4 experts (quant_method mxfp4)")
         raise UsageError(f"{name} is already quantized (config.json has a {str(method)[:40]} quantization_config): {why}",
                          "give the original unquantized (bf16/fp16) model")
     return FP8Blocks.of(qc, name)
@@ -265,6 +271,192 @@ class MXFP4Experts:
         return {"quant_method": self.method, "quantized_weights": len(self.packed),
                 "read_as": "each expert's MXFP4 rows decoded to the model dtype as they are read (float32 product, one "
                            "rounding)"}
+
+
+CT_FIX_DAMAGED = "the compressed-tensors checkpoint does not match its config: re-download it, or convert it again"
+CT_FIX_CONFIG = "give the original unquantized (bf16/fp16) model"
+# the tensors compressed-tensors stores beside (or instead of) a quantized Linear's weight; the weight ones are what its
+# number format decodes, the input ones only what the engine does to activations (not part of the 16-bit model)
+CT_WEIGHT_KEYS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+                  "weight_global_scale")
+CT_INPUT_KEYS = ("input_scale", "input_zero_point", "input_global_scale")
+CT_KV_SUFFIXES = (".k_scale", ".v_scale")  # the KV cache's scales: the 16-bit model keeps its cache in 16 bits
+
+
+class CompressedTensors:
+    """A compressed-tensors source (quant_method compressed-tensors, as qtk's vllm target and llm-compressor write
+    it): each quantized Linear decoded as qtk's own reader decodes it (qtk.export.vllm.CompressedTensorsCheckpoint:
+    the config groups resolved by exact name, regex, then class "Linear"; each group's number format's `decode`,
+    qtk.export.codecs.ct), then rounded once to the model dtype (qtk.model.simulate.engine_weight's weight, the one the
+    engine computes with). Everything is checked from the headers before any work: each module's tensors against its
+    group's format (`Format.check_stored`), quantized tensors no group targets or that the ignore list names, Linears a
+    group targets stored in 16 bits."""
+
+    method = "compressed-tensors"
+
+    def __init__(self, qc: dict, arch, path):
+        self.qc = qc
+        self.arch = arch
+        self.path = path
+        self.reader = None  # the checkpoint reader, opened by `index` (it reads the directory itself)
+        self.modules: dict[str, object] = {}  # quantized module -> its ModuleScheme
+        self.hidden: dict[str, object] = {}
+        self.derived: dict[str, Derived] = {}
+
+    @classmethod
+    def of(cls, qc: dict, config: dict, name: str, path) -> "CompressedTensors":
+        """The config checked for what the reader cannot follow, before the weights are opened."""
+        from qtk.model.arch import ARCHS
+        from qtk.quant.formats import FORMATS
+
+        status = qc.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise UsageError(f"{name}'s compressed-tensors quantization_status is {str(status)[:30]}, not compressed "
+                             "(its weights are not stored as the codes and scales of its format)", CT_FIX_CONFIG)
+        for key, what in (("sparsity_config", "sparse weights"), ("transform_config", "online transforms")):
+            v = qc.get(key)
+            if v and not (key == "sparsity_config" and isinstance(v, dict) and v.get("format") == "dense"):
+                raise UsageError(f"{name}'s compressed-tensors config has a {key} ({what}), which qtk does not read "
+                                 "as a source: it dequantizes only quantized weights", CT_FIX_CONFIG)
+        groups = qc.get("config_groups")
+        if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+            raise UsageError(f"{name}'s compressed-tensors config has no config_groups to read its weights by",
+                             "restore the model's original config.json")
+        known = sorted({f for fmt in FORMATS for f in fmt.ct_formats})
+        top = qc.get("format")
+        for gname, g in groups.items():
+            fmt = g.get("format") or top
+            if fmt not in known:
+                raise UsageError(f"{name}'s compressed-tensors config group {str(gname)[:40]} is in format "
+                                 f"{str(fmt)[:40]}, which qtk does not decode (it reads {', '.join(known)})", CT_FIX_CONFIG)
+            if not isinstance(g.get("weights"), dict):
+                raise UsageError(f"{name}'s compressed-tensors config group {str(gname)[:40]} quantizes no weights "
+                                 "(activations only), which qtk does not read as a source", CT_FIX_CONFIG)
+            if g.get("output_activations"):
+                raise UsageError(f"{name}'s compressed-tensors config group {str(gname)[:40]} quantizes output "
+                                 "activations, which qtk does not read as a source", CT_FIX_CONFIG)
+        return cls(qc, ARCHS.get(config.get("model_type")), path)
+
+    # ---- the headers ----
+
+    def index(self, weight_map: dict, shape, dtype, where: str) -> dict:
+        """weight_map with each quantized Linear's `.weight` (derived: decoded when read) in place of its stored
+        tensors, which go to `hidden` with the input and KV scales."""
+        from qtk.errors import QtkError
+        from qtk.export.vllm import CompressedTensorsCheckpoint
+
+        try:
+            ck = self.reader = CompressedTensorsCheckpoint(self.path)
+        except QtkError as e:  # a group's scheme no recipe could hold: refused as a source is (exit 2)
+            raise UsageError(f"{where}: {e.problem}", CT_FIX_CONFIG) from None
+        problems = [f"{where}: {p}" for p in ck.format_problems() if "kv_cache_scheme" not in p]
+        if problems:
+            raise UsageError(problems[0], CT_FIX_DAMAGED)
+        quantized = sorted({n.rsplit(".", 1)[0] for n in weight_map
+                            if n.endswith((".weight_scale", ".weight_packed"))})
+        out = dict(weight_map)
+        for m in quantized:
+            group = ck._group_of(m)  # (ModuleScheme, format) by compressed-tensors' precedence, None when untargeted
+            scheme = group[0] if group is not None else None
+            if scheme is None:
+                raise UsageError(f"{m} holds quantized tensors but no config group of {where} targets it",
+                                 CT_FIX_DAMAGED)
+            if self._ignored(m):
+                raise UsageError(f"{m} holds quantized tensors but {where}'s config ignores it", CT_FIX_DAMAGED)
+            keys = [k for k in CT_WEIGHT_KEYS if f"{m}.{k}" in weight_map]
+            wshape = self._shape(m, keys, scheme, shape, dtype)
+            bad = ck.check_module(m, tuple(wshape))
+            if bad:
+                raise UsageError(f"{where}: {bad[0]}", CT_FIX_DAMAGED)
+            for k in (*keys, *CT_INPUT_KEYS):
+                n = f"{m}.{k}"
+                if n in weight_map and k != "weight":
+                    self.hidden[n] = out.pop(n)
+            w = f"{m}.weight"
+            out.setdefault(w, self.hidden.get(f"{m}.weight_packed") or weight_map[f"{m}.weight_scale"])
+            self.derived[w] = Derived(tuple(f"{m}.{k}" for k in keys), tuple(wshape), self._make(keys, scheme),
+                                      partial=False)
+            self.modules[m] = scheme
+        for n in list(out):
+            if n.endswith(CT_KV_SUFFIXES):
+                self.hidden[n] = out.pop(n)
+        self._check_unquantized(out, shape)
+        return out
+
+    def _shape(self, m: str, keys, scheme, shape, dtype) -> list[int]:
+        """The [out, in] of module m's weight: its weight_shape where stored (read: two numbers), the unpacked
+        weight's, else its packed codes' widened by the codes per stored element."""
+        if "weight_shape" in keys:
+            s = self.reader.tensor(f"{m}.weight_shape")
+            return [int(x) for x in s.reshape(-1).tolist()]
+        if "weight" in keys:
+            return list(shape(f"{m}.weight"))
+        if "weight_packed" in keys:
+            p = list(shape(f"{m}.weight_packed"))
+            dt = dtype(f"{m}.weight_packed")
+            bits = torch.iinfo(dt).bits if not dt.is_floating_point else 8
+            return [p[0], p[-1] * max(1, bits // scheme.weights.num_bits)] if len(p) == 2 else p
+        return []
+
+    def _ignored(self, m: str) -> bool:
+        """compressed-tensors' ignore: an exact name or a 're:' pattern (matched as its reader matches, re.match)."""
+        from qtk.bounds import match as bounded_match
+
+        return any(p == m or (isinstance(p, str) and p.startswith("re:") and bounded_match(p[3:], m))
+                   for p in self.reader.ignore_patterns())
+
+    def _check_unquantized(self, out: dict, shape) -> None:
+        """A decoder-layer Linear of the family's table (or one a group names) that a config group targets and the
+        ignore list leaves, stored in 16 bits: the checkpoint is not what its config says."""
+        import re
+
+        if self.arch is None:
+            return
+        at = re.compile(rf"{re.escape(self.arch.layers)}\.(\d+)\.(.+)\.weight$")
+        for n in out:
+            k = at.match(n)
+            if k is None or n in self.derived:
+                continue
+            m, rel = n[: -len(".weight")], k.group(2)
+            if rel not in self.arch.at(int(k.group(1))).linears or self._ignored(m):
+                continue
+            if len(shape(n)) == 2 and self.reader._group_of(m) is not None:
+                raise UsageError(f"{m} is stored unquantized but a config group of the compressed-tensors config "
+                                 "targets it and the ignore list does not name it", CT_FIX_DAMAGED)
+
+    # ---- the values ----
+
+    @staticmethod
+    def _make(keys, scheme):
+        def make(dtype, *tensors):
+            from qtk.export.codecs import ct
+
+            qt = ct.decode(dict(zip(keys, tensors)), scheme.weights, dtype)
+            # qtk.model.simulate.engine_weight rounded to `dtype` (the QTensor's own): the float32 decode rounded once,
+            # without engine_weight's float32 copy of a weight that decodes in the model dtype
+            return qt.dequantize().to(dtype)
+        return make
+
+    # ---- what it means for a recipe ----
+
+    @staticmethod
+    def _key(s) -> tuple:
+        return (s.num_bits, s.type, s.symmetric, str(s.strategy), s.group_size,
+                tuple(s.block_structure or ()), s.scale_dtype)
+
+    def same_format(self, scheme) -> bool:
+        """True when `scheme` (a weight QuantScheme) is one of the source's weight formats."""
+        return scheme is not None and any(self._key(scheme) == self._key(s.weights) for s in self.modules.values())
+
+    def same_format_problem(self, recipe_name: str) -> str:
+        kinds = sorted({s.weights.describe() for s in self.modules.values()})
+        return (f"is already {' and '.join(kinds)} (compressed-tensors), a weight format recipe {recipe_name} writes: "
+                "converting it would only round its weights again")
+
+    def record(self) -> dict:
+        return {"quant_method": self.method, "format": self.qc.get("format"), "quantized_weights": len(self.modules),
+                "read_as": "each Linear decoded by its config group's number format and rounded once to the model dtype "
+                           "as it is read"}
 
 
 def split_fused_experts(arch, weight_map: dict, shape, quant) -> tuple[dict, dict, dict]:

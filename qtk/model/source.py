@@ -94,10 +94,10 @@ class ModelSource:
             raise UsageError(f"{self.path.name} needs custom code from the model repository (config.json has auto_map)",
                              "review that code, then pass --trust-remote-code")
         self._check_code_files()
-        # an FP8-block source, or gpt-oss's MXFP4 experts, is read as the 16-bit model it stands for
-        # (qtk.model.prequantized): config_dict is that model's config, without the quantization_config, which is kept
+        # an FP8-block source, gpt-oss's MXFP4 experts or a compressed-tensors checkpoint is read as the 16-bit model it
+        # stands for (qtk.model.prequantized): config_dict is that model's config, without the quantization_config, which is kept
         # in `quant`; other quantized sources refused
-        self.quant = source_quantization(self.config_dict, self.path.name)
+        self.quant = source_quantization(self.config_dict, self.path.name, self.path)
         if self.quant is not None:
             self.config_dict = {k: v for k, v in self.config_dict.items() if k != "quantization_config"}
         if "model_type" not in self.config_dict:
