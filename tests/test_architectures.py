@@ -83,7 +83,9 @@ def _moe_ct_reference(ck, tmp):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from qtk.model.config_check import text_config
 
     qc = QuantizationConfig.model_validate(ck.qconfig)
     scheme = qc.config_groups["group_0"]
@@ -97,11 +99,12 @@ def _moe_ct_reference(ck, tmp):
         # (float32 here), which is what the engines compute with; packed formats decode in the model dtype
         sd[f"{m}.weight"] = w.float() if ck.ct_format == "float-quantized" else w.to(ck.dtype)
     if ck.arch.moe.fused.stored_fused:
-        sd = fuse_as_transformers_stores(sd, ck.arch, ck.hf_config["num_hidden_layers"])
+        sd = fuse_as_transformers_stores(sd, ck.arch, text_config(ck.hf_config)["num_hidden_layers"])
     tmp.mkdir()
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps({k: v for k, v in ck.hf_config.items() if k != "quantization_config"}))
-    return AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+    auto = AutoModelForImageTextToText if ck.arch.multimodal else AutoModelForCausalLM  # Llama 4's multimodal class
+    return auto.from_pretrained(str(tmp), dtype=torch.float32)
 
 
 def fuse_as_transformers_stores(sd: dict, arch, layers: int) -> dict:

@@ -501,6 +501,10 @@ def arch_for(model_type: str | None, config: dict | None = None) -> Arch:
     if arch.moe is not None:
         if config is None:
             raise ValueError(f"arch_for({model_type!r}) needs the config: an MoE architecture depends on its expert count")
+        if arch.multimodal:  # a vision-language MoE (Llama 4): the experts are its language model's, in text_config
+            from qtk.model.config_check import text_config
+
+            config = text_config(config)
         arch = with_experts(arch, config)
     return arch
 

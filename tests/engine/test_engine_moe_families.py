@@ -1,7 +1,8 @@
 """The MoE families added to the family table, loaded and run by vLLM's CPU build: Qwen2-MoE (routed experts, a
 shared expert behind a 16-bit sigmoid gate), DeepSeek-V3 (MLA attention, a dense first layer, routed and shared
-experts, a router bias), GLM-4.5 (Llama-style attention, DeepSeek-style MoE) and gpt-oss (attention sinks, biased
-experts stored fused; its unquantized model runs as transformers computes it). Each tiny random model, unquantized and in a weight-only and an INT8 W8A8 recipe, either
+experts, a router bias), GLM-4.5 (Llama-style attention, DeepSeek-style MoE), gpt-oss (attention sinks, biased
+experts stored fused; its unquantized model runs as transformers computes it) and Llama 4 (dense and MoE layers
+interleaved, input-scaled experts stored fused, chunked attention). Each tiny random model, unquantized and in a weight-only and an INT8 W8A8 recipe, either
 runs in vLLM and agrees with qtk's simulation of the same bytes within qtk.eval.engine_check.BOUNDS, or vLLM
 refuses it for the reason recorded here (REFUSALS), so a vLLM release that starts serving it fails this test."""
 
@@ -14,6 +15,7 @@ import pytest
 from qtk.eval.engine_check import check_windows, compare
 from qtk.eval.engines import load_tokenizer
 from qtk.eval.vllm_process import cpu_flags
+from test_architectures import LLAMA4
 
 FAMILIES = {
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
@@ -27,6 +29,9 @@ FAMILIES = {
                  "moe_intermediate_size": 128, "n_shared_experts": 1, "first_k_dense_replace": 1, "head_dim": 32,
                  "attention_bias": True, "use_qk_norm": True},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
+    # dense and MoE layers interleaved, a shared expert, top-1 sigmoid routing scaling the experts' input (vLLM's
+    # apply_router_weight_on_input), experts stored fused; RoPE layers in chunks of 16 tokens, the other without RoPE
+    "llama4_text": LLAMA4,
 }
 RECIPES = ("(unquantized)", "w4a16", "w8a8-sq", "fp8-dynamic")
 # (family, recipe) -> a pattern of vLLM 0.32 CPU's own refusal, where it refuses: its CPU build has no fused-MoE
