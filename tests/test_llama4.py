@@ -118,28 +118,41 @@ def test_layout_from_config_is_the_skeletons(text_model):
         assert layout is not None and same(layout, skeleton_layout(cfg))
 
 
+def test_source_reads_fused_experts_per_expert(text_model):
+    """The checkpoint's fused experts come out as each expert's Linears: gate the first I columns of gate_up_proj[e],
+    up the last I, transposed to [out, in]; the stored bytes, in bf16."""
+    from qtk.model.source import ModelSource
+
+    src, stored = ModelSource(text_model), read_tensors(text_model)
+    for i in SPARSE:
+        b = f"model.layers.{i}.feed_forward.experts"
+        gu, down = stored[f"{b}.gate_up_proj"], stored[f"{b}.down_proj"]
+        inter = gu.shape[2] // 2
+        assert f"{b}.gate_up_proj" not in src.weight_map and gu.shape == (E, 128, 2 * inter)
+        for e in range(E):
+            assert torch.equal(src.tensor(f"{b}.{e}.gate_proj.weight"), gu[e][:, :inter].T)
+            assert torch.equal(src.tensor(f"{b}.{e}.up_proj.weight"), gu[e][:, inter:].T)
+            assert torch.equal(src.tensor(f"{b}.{e}.down_proj.weight"), down[e].T)
+            assert src.tensor_dtype(f"{b}.{e}.gate_proj.weight") == torch.bfloat16
+
+
 def test_unfused_experts_compute_what_transformers_fused_experts_compute(text_model):
-    """qtk's per-expert model (InputScaledExperts) against transformers' own Llama4TextExperts on the same weights:
-    the same logits, and each expert ran on exactly the tokens routed to it (top-1: every token once per MoE layer)."""
+    """qtk's per-expert model (InputScaledExperts, with the weights qtk reads from the checkpoint) against transformers'
+    own Llama4TextExperts loading the same checkpoint: the same logits, and each expert ran on exactly the tokens
+    routed to it (top-1: every token once per MoE layer)."""
     from transformers import AutoModelForCausalLM
 
     from qtk.model.moe import InputScaledExperts, unfuse_experts
+    from qtk.model.source import ModelSource
 
     ref = AutoModelForCausalLM.from_pretrained(str(text_model), dtype=torch.float32).eval()
     model = copy.deepcopy(ref)
     arch = arch_for("llama4_text", json.loads((text_model / "config.json").read_text()))
-    fused = {i: (layer.feed_forward.experts.gate_up_proj.detach(), layer.feed_forward.experts.down_proj.detach())
-             for i, layer in enumerate(ref.model.layers) if i in SPARSE}
     unfuse_experts(model, arch)
-    for i, (gate_up, down) in fused.items():  # [E, H, 2I] gate then up along 2I; [E, I, H]
-        experts = model.model.layers[i].feed_forward.experts
-        assert isinstance(experts, InputScaledExperts)
-        inter = gate_up.shape[2] // 2
-        with torch.no_grad():
-            for e in range(E):
-                experts[e].gate_proj.weight.copy_(gate_up[e, :, :inter].T)
-                experts[e].up_proj.weight.copy_(gate_up[e, :, inter:].T)
-                experts[e].down_proj.weight.copy_(down[e].T)
+    src = ModelSource(text_model)
+    model.load_state_dict({k: src.tensor(k).float() for k in src.weight_map}, strict=True)
+    for i in SPARSE:
+        assert isinstance(model.model.layers[i].feed_forward.experts, InputScaledExperts)
     ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = ref(ids).logits, model(ids).logits

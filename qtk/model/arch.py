@@ -456,13 +456,13 @@ def with_experts(arch: Arch, config: dict) -> Arch:
     if not dense_at:
         return sparse
     # the dense layers (DeepSeek's first ones, Llama 4's between the sparse ones): attention and an ordinary MLP under
-    # the block's name (vLLM's merged gate_up_proj); its groups and fused name are also the model's, so checks that
-    # match names across layers know them
-    dg, du, dd = (f"{m.block}.{w}" for w in (m.gate, m.up, m.down))
+    # the layer's own attribute for its feed-forward block (mlp, feed_forward; vLLM's merged gate_up_proj); its groups
+    # and fused name are also the model's, so checks that match names across layers know them
+    dg, du, dd = (f"{m.module}.{w}" for w in (m.gate, m.up, m.down))
     dense = replace(arch, moe=None, linears=arch.linears + (dg, du, dd), fusion_groups=arch.fusion_groups + ((dg, du),),
                     smoothing=(*attn_smoothing, SmoothPair("post_attention_layernorm", (dg, du), True),
                                SmoothPair(du, (dd,), False)),
-                    vllm_fused=arch.vllm_fused + (((dg, du), f"{m.block}.gate_up_proj"),))
+                    vllm_fused=arch.vllm_fused + (((dg, du), f"{m.module}.gate_up_proj"),))
     return replace(sparse, dense_layers=dense_at, dense_layer=dense, fusion_groups=sparse.fusion_groups + ((dg, du),),
                    vllm_fused=dense.vllm_fused + sparse.vllm_fused[len(arch.vllm_fused):])
 

@@ -225,7 +225,7 @@ def layout_from_config(config: dict, arch: Arch) -> Layout | None:
         if dense_inter is None:
             return None
         layer = attention
-        b, m = arch.moe.block, arch.moe
+        b, m = arch.moe.module, arch.moe
         for w, out, inn in ((m.gate, dense_inter, hidden), (m.up, dense_inter, hidden), (m.down, hidden, dense_inter)):
             linear(f"{b}.{w}", out, inn)
         layer += [("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,))]
