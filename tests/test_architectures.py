@@ -21,6 +21,10 @@ DEEPSEEK = {"kv_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_g
             "moe_intermediate_size": 128, "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 128,
             "q_lora_rank": 128, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
             "topk_method": "noaux_tc"}  # as DeepSeek-V3's config.json says (vLLM loads the router bias only then)
+# layer 0: dense MLP, no RoPE, full attention with the query's temperature tuning (floor_scale 8: active within the
+# tests' sequences); layer 1: MoE, RoPE, q/k L2 norm, attention within chunks of 16 tokens
+LLAMA4 = {"head_dim": 32, "intermediate_size_mlp": 256, "num_local_experts": 4, "num_experts_per_tok": 1,
+          "interleave_moe_layer_step": 2, "attention_chunk_size": 16, "no_rope_layers": [0, 1], "floor_scale": 8}
 ARCH_CONFIGS = {
     "llama": {},
     "mistral": {"sliding_window": 16},
@@ -46,8 +50,12 @@ ARCH_CONFIGS = {
     # biases on q/k/v/o, a sink logit per head, sliding and full attention alternating; experts with biases and a
     # clamped SwiGLU, stored fused ([E, H, 2I], gate/up interleaved) by transformers, written per expert by qtk
     "gpt_oss": {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
+    # dense (intermediate_size_mlp) and MoE layers interleaved, a shared expert, top-1 sigmoid routing that scales the
+    # experts' input, experts stored fused ([E, H, 2I], gate then up); RoPE layers chunked (16 tokens, so the tests'
+    # 40-48 token sequences cross chunks), the others without RoPE and with temperature tuning
+    "llama4_text": LLAMA4,
 }
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4_text")
 # recipes a family refuses up front, with the reason's text (checked, so a refusal that changes fails the test)
 REFUSED = {("deepseek_v3", r): "attention is MLA: vLLM caches MLA's compressed latent (kv_lora_rank + "
                                 "qk_rope_head_dim per token), not per-head K and V"
@@ -75,7 +83,9 @@ def _moe_ct_reference(ck, tmp):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from qtk.model.config_check import text_config
 
     qc = QuantizationConfig.model_validate(ck.qconfig)
     scheme = qc.config_groups["group_0"]
@@ -89,27 +99,34 @@ def _moe_ct_reference(ck, tmp):
         # (float32 here), which is what the engines compute with; packed formats decode in the model dtype
         sd[f"{m}.weight"] = w.float() if ck.ct_format == "float-quantized" else w.to(ck.dtype)
     if ck.arch.moe.fused.stored_fused:
-        sd = fuse_as_transformers_stores(sd, ck.arch, ck.hf_config["num_hidden_layers"])
+        sd = fuse_as_transformers_stores(sd, ck.arch, text_config(ck.hf_config)["num_hidden_layers"])
     tmp.mkdir()
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps({k: v for k, v in ck.hf_config.items() if k != "quantization_config"}))
-    return AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+    auto = AutoModelForImageTextToText if ck.arch.multimodal else AutoModelForCausalLM  # Llama 4's multimodal class
+    return auto.from_pretrained(str(tmp), dtype=torch.float32)
 
 
 def fuse_as_transformers_stores(sd: dict, arch, layers: int) -> dict:
-    """Per-expert gate/up/down weights and biases (`mlp.experts.{e}.gate_proj.weight` [I, H], ...) in gpt-oss's fused
-    layout as transformers saves and loads it: gate_up_proj [E, H, 2I] with gate in the even and up in the odd
-    columns, down_proj [E, I, H], gate_up_proj_bias [E, 2I] interleaved the same way, down_proj_bias [E, H]."""
+    """Per-expert gate/up/down weights and biases (`mlp.experts.{e}.gate_proj.weight` [I, H], ...) in the fused
+    layout transformers saves and loads: gpt-oss's gate_up_proj [E, H, 2I] with gate in the even and up in the odd
+    columns, down_proj [E, I, H], gate_up_proj_bias [E, 2I] interleaved the same way, down_proj_bias [E, H]; Llama 4's
+    the same without biases and with gate in the first I columns, up in the last (its dense layers left as they are)."""
     m, E = arch.moe, arch.num_experts
     sd = dict(sd)
     for i in range(layers):
+        if i in arch.dense_layers:
+            continue
         p = f"{arch.layers}.{i}.{m.block}.experts"
         pop = lambda e, w, k: sd.pop(f"{p}.{e}.{w}.{k}")  # noqa: E731
         gate = torch.stack([pop(e, m.gate, "weight") for e in range(E)])  # [E, I, H]
         up = torch.stack([pop(e, m.up, "weight") for e in range(E)])
-        gate_up = torch.stack((gate, up), dim=2).flatten(1, 2)  # [E, 2I, H]: rows g0, u0, g1, u1, ...
+        # [E, 2I, H]: rows g0, u0, g1, u1, ... (interleaved) or g0..g(I-1), u0..u(I-1)
+        gate_up = torch.stack((gate, up), dim=2).flatten(1, 2) if m.fused.interleaved else torch.cat((gate, up), dim=1)
         sd[f"{p}.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
         sd[f"{p}.down_proj"] = torch.stack([pop(e, m.down, "weight") for e in range(E)]).transpose(1, 2).contiguous()
+        if not m.bias:
+            continue
         gb = torch.stack([pop(e, m.gate, "bias") for e in range(E)])
         ub = torch.stack([pop(e, m.up, "bias") for e in range(E)])
         sd[f"{p}.gate_up_proj_bias"] = torch.stack((gb, ub), dim=2).flatten(1, 2).contiguous()

@@ -121,6 +121,8 @@ CATALOGUE = {
     "mixed-moe-experts": "overrides that give MoE experts their own scheme (--target vllm)",
     "mla-kv-cache": "a KV-cache recipe (int8-kv8) for an MLA model (deepseek_v3)",
     "moe-layer-freq": "an MoE config with dense layers other than DeepSeek's dense-first ones (moe_layer_freq 2)",
+    "llama4-moe-layers": "a Llama 4 config whose moe_layers names a layer it does not have",
+    "llama4-moe-step": "a Llama 4 config whose interleave_moe_layer_step is not a positive integer (0)",
     # the output
     "output-is-file": "-o names an existing file",
     "output-under-file": "-o below an existing file",
@@ -741,6 +743,27 @@ def test_moe_config_with_interleaved_dense_layers_refused(tmp_path):
     code, out = convert(tmp_path, _deepseek(tmp_path, moe_layer_freq=2), recipe="w8a16")
     expect("moe-layer-freq", code, out, tmp_path, "mixes dense and MoE layers", "moe_layer_freq",
            "dense first (first_k_dense_replace)")
+
+
+def _llama4(tmp_path, **config):
+    from test_architectures import LLAMA4
+
+    d = make_tiny_model(tmp_path / "llama4", model_type="llama4_text", hidden=128, intermediate=128, **LLAMA4)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **config}))
+    return d
+
+
+def test_llama4_moe_layers_outside_the_model_refused(tmp_path):
+    code, out = convert(tmp_path, _llama4(tmp_path, moe_layers=[1, 2]))
+    expect("llama4-moe-layers", code, out, tmp_path, "moe_layers is not a list of layer indices below num_hidden_layers (2)",
+           "restore the model's original config.json")
+
+
+def test_llama4_interleave_step_not_positive_refused(tmp_path):
+    code, out = convert(tmp_path, _llama4(tmp_path, interleave_moe_layer_step=0))
+    expect("llama4-moe-step", code, out, tmp_path, "interleave_moe_layer_step is 0, not a positive integer",
+           "restore the model's original config.json")
 
 
 # ---- the output ----

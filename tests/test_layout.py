@@ -18,7 +18,8 @@ from test_architectures import ARCH_CONFIGS
 VARIANTS = {"plain": {}, "biases": {"attention_bias": True, "mlp_bias": True}, "tied": {"tie_word_embeddings": True}}
 # the keys whose absence leaves a size or a tensor to the config class's defaults
 DROPPED = ("head_dim", "num_key_value_heads", "tie_word_embeddings", "attention_bias", "mlp_bias", "intermediate_size",
-           "moe_intermediate_size", "vocab_size", "num_local_experts", "num_experts")
+           "moe_intermediate_size", "vocab_size", "num_local_experts", "num_experts", "intermediate_size_mlp", "moe_layers",
+           "interleave_moe_layer_step")
 
 
 def config_json(tmp_path, model_type: str, **kw) -> dict:

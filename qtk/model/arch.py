@@ -73,6 +73,13 @@ class MoE:
     bias: bool = False
     # how transformers 5 holds the experts fused (and, for `stored_fused`, how the checkpoint stores them)
     fused: FusedExperts = FusedExperts()
+    # the block's attribute name in transformers' decoder layer (the layer's forward reads it), where the checkpoint's
+    # name `block` differs from it (Mixtral: transformers' `mlp`, the checkpoint's `block_sparse_moe`)
+    module: str = "mlp"
+    # Llama 4: the router's score scales each routed expert's INPUT (x * sigmoid(logit), an expert computing on the
+    # scaled token), not its output; transformers' block passes the experts every token scaled by its score for each
+    # expert (0 where not routed), and vLLM's fused MoE applies the weight on the input too
+    input_scaled: bool = False
     # the expert's activation: "silu" (down(silu(gate) * up)) or "clamped_swiglu" (gpt-oss: gate clamped above and
     # up on both sides at swiglu_limit, down((up + 1) * gate * sigmoid(swiglu_alpha * gate))); the clamp is not
     # linear in up, so smoothing up -> down would change the function: no such pair for it
@@ -80,6 +87,9 @@ class MoE:
     # vLLM's loader for the family reads quantized experts as per-expert Linears (compressed-tensors' layout); gpt-oss's
     # (vLLM 0.32 gpt_oss.py) reads them only as MXFP4, quark's fused tensors or its own per-expert w13_* / w2_* names
     vllm_reads_per_expert: bool = True
+    # the config lists the sparse layers (Llama 4's moe_layers, or every interleave_moe_layer_step-th layer): the others
+    # hold an ordinary MLP of the block's name (Arch.dense_layers)
+    interleaved: bool = False
 
     @property
     def up_smoothable(self) -> bool:
@@ -133,9 +143,10 @@ class Arch:
     # Linears whose static input scale the engine takes as one (vLLM's fused MoE uses the max over experts
     # of w13's and of w2's input scales): calibrated separately, written as the group's max
     shared_input_scale: tuple[tuple[str, ...], ...] = ()
-    # a family whose first layers are dense (DeepSeek's first_k_dense_replace): those layers' own Arch; the model's
-    # Arch (this one) is its sparse layers', and `at(i)` gives each layer's
-    first_sparse: int = 0
+    # a family whose MoE models hold dense layers too (DeepSeek's first first_k_dense_replace layers, Llama 4's layers
+    # outside moe_layers): the indices of those layers, from the config, and their own Arch; the model's Arch (this
+    # one) is its sparse layers', and `at(i)` gives each layer's
+    dense_layers: frozenset[int] = frozenset()
     dense_layer: "Arch | None" = None
     # why the family's KV cache cannot be quantized as qtk calibrates it (None: per-layer K and V scales apply)
     kv_cache_refusal: str | None = None
@@ -144,7 +155,7 @@ class Arch:
 
     def at(self, i: int) -> "Arch":
         """The Arch of decoder layer i (its Linears, groups and smoothing pairs)."""
-        return self.dense_layer if self.dense_layer is not None and i < self.first_sparse else self
+        return self.dense_layer if self.dense_layer is not None and i in self.dense_layers else self
     # a learned sink logit per attention head (gpt-oss's self_attn.sinks): its attention runs the model's eager code,
     # the only one that has it; the sinks stay in 16 bits
     attn_sinks: bool = False
@@ -264,6 +275,20 @@ DEEPSEEK_V3 = Arch("deepseek_v3", ("deepseek_v3",), linears=(QA, KVA, QB, KVB, O
                    kv_cache_refusal="vLLM caches MLA's compressed latent (kv_lora_rank + qk_rope_head_dim per token), "
                                     "not per-head K and V, so qtk's K/V scales do not apply",
                    for_config=mla)
+# Llama 4 (Scout, Maverick): Llama-style attention whose RoPE layers attend within chunks of attention_chunk_size and
+# whose every 4th layer (no_rope_layers) has no RoPE and a temperature-tuned query; a weightless q/k L2 norm. Nothing
+# there is quantized otherwise: the simulation runs the model's own attention module. The feed-forward block
+# (`feed_forward`) is an MoE block in the layers moe_layers lists (Maverick interleaves them with dense MLPs of
+# intermediate_size_mlp) with a sigmoid top-k router (`router`, kept in 16 bits, as vLLM runs it without quant_config),
+# a shared expert every token goes through, and routed experts whose INPUT the router's score scales. The checkpoint
+# stores the experts fused as transformers holds them (gate_up_proj [E, H, 2I], gate then up; down_proj [E, I, H]);
+# qtk reads and writes them as per-expert Linears `feed_forward.experts.{e}.gate_proj/up_proj/down_proj`, the names
+# vLLM's llama4.py loads quantized experts by
+LLAMA4_TEXT = Arch("llama4_text", ("llama4_text",), linears=(Q, K, V, O), fusion_groups=((Q, K, V),), smoothing=(),
+                   trtllm_architecture=None, vllm_fused=(((Q, K, V), "self_attn.qkv_proj"),),
+                   moe=MoE("feed_forward", "gate_proj", "up_proj", "down_proj", router="router", shared="shared_expert",
+                           module="feed_forward", input_scaled=True, interleaved=True,
+                           fused=FusedExperts(transposed=True, stored_fused=True)))
 # Vision-language models: the language model as its text family's, under transformers' names for the multimodal class
 # (checkpoints of other vintages are renamed on reading, as transformers renames them on loading)
 _VL_TEXT = dict(layers="model.language_model.layers", embed="model.language_model.embed_tokens",
@@ -272,6 +297,11 @@ GEMMA3_VL = replace(GEMMA, name="gemma3", model_types=("gemma3",), multimodal=("
                     **_VL_TEXT)
 QWEN2_5_VL = replace(QWEN2, name="qwen2_5_vl", model_types=("qwen2_5_vl",), multimodal=("model.visual",), **_VL_TEXT)
 QWEN3_VL = replace(QWEN3, name="qwen3_vl", model_types=("qwen3_vl",), multimodal=("model.visual",), **_VL_TEXT)
+# Llama 4's multimodal class holds the whole causal LM under `language_model` (its lm_head too), beside vision_model and
+# multi_modal_projector, the names its checkpoints store
+LLAMA4_VL = replace(LLAMA4_TEXT, name="llama4", model_types=("llama4",), multimodal=("vision_model", "multi_modal_projector"),
+                    layers="language_model.model.layers", embed="language_model.model.embed_tokens",
+                    final_norm="language_model.model.norm", lm_head="language_model.lm_head")
 
 
 
@@ -290,6 +320,7 @@ class Traits:
     router_linear_bias: bool = False  # the router Linear has a bias (gpt-oss)
     expert_bias: bool = False  # every expert Linear has a bias (gpt-oss)
     sinks: bool = False  # a learned attention-sink logit per head, self_attn.sinks [heads] (gpt-oss)
+    block: str = "mlp"  # the feed-forward block's name in a decoder layer (Llama 4: feed_forward)
 
 
 @dataclass(frozen=True)
@@ -305,6 +336,10 @@ class Family:
     # its own: Kimi-K2 is DeepSeek-V3's architecture under another name (vLLM reads it with DeepseekV3Config too)
     config_as: str | None = None
 
+
+# Llama 4's block is `feed_forward` with a `router` and a `shared_expert` of intermediate_size; dense layers' MLPs are
+# intermediate_size_mlp wide; RoPE layers attend within attention_chunk_size tokens
+LLAMA4_TRAITS = Traits(router="router", block="feed_forward", sliding="chunked")
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(LLAMA, Traits(), "LlamaForCausalLM"),
@@ -334,6 +369,8 @@ FAMILIES: dict[str, Family] = {
     "qwen2_5_vl": Family(QWEN2_5_VL, Traits(qkv_bias=True), "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": Family(QWEN3_VL, Traits(qk_norm=True), "Qwen3VLForConditionalGeneration"),
     "qwen3_vl_text": Family(None, Traits(qk_norm=True)),  # its text_config's model_type, which qtk plan reads
+    "llama4_text": Family(LLAMA4_TEXT, LLAMA4_TRAITS, "Llama4ForCausalLM"),
+    "llama4": Family(LLAMA4_VL, LLAMA4_TRAITS, "Llama4ForConditionalGeneration"),
 }
 ARCHS: dict[str, Arch] = {mt: f.arch for mt, f in FAMILIES.items() if f.arch is not None}  # what qtk converts
 TRAITS: dict[str, Traits] = {mt: f.traits for mt, f in FAMILIES.items() if f.traits is not None}  # what qtk plan knows
@@ -384,8 +421,8 @@ def with_experts(arch: Arch, config: dict) -> Arch:
     if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1) or 1) != 1 \
             or int(config.get("moe_layer_freq", 1) or 1) != 1:
         raise UsageError(f"this {config.get('model_type')} config mixes dense and MoE layers (mlp_only_layers / "
-                         "decoder_sparse_step / moe_layer_freq)", "qtk converts MoE models whose layers are all sparse, or dense first (first_k_dense_replace); "
-                         "use another tool for this one")
+                         "decoder_sparse_step / moe_layer_freq)", "qtk converts MoE models whose layers are all sparse, dense first (first_k_dense_replace) or "
+                         "listed in Llama 4's moe_layers; use another tool for this one")
     if config.get("shared_expert_intermediate_size") and m.shared is None:
         raise UsageError(f"this {config.get('model_type')} config has a shared expert, which its family does not have",
                          "restore the model's original config.json")
@@ -415,17 +452,42 @@ def with_experts(arch: Arch, config: dict) -> Arch:
         vllm_fused=arch.vllm_fused + (((shared_in, f"{m.block}.{m.shared}.gate_up_proj"),) if m.shared else ()),
         shared_input_scale=(gate_up, tuple(downs)),
     )
-    first = int(config.get("first_k_dense_replace") or 0)
-    if not first:
+    dense_at = dense_layer_indices(arch, config)
+    if not dense_at:
         return sparse
-    # DeepSeek's first layers: attention and an ordinary MLP (vLLM's merged gate_up_proj); its groups and fused
-    # name are also the model's, so checks that match names across layers know them
-    dense = replace(arch, moe=None, linears=arch.linears + (GATE, UP, DOWN), fusion_groups=arch.fusion_groups + ((GATE, UP),),
-                    smoothing=(*attn_smoothing, SmoothPair("post_attention_layernorm", (GATE, UP), True),
-                               SmoothPair(UP, (DOWN,), False)),
-                    vllm_fused=arch.vllm_fused + (((GATE, UP), "mlp.gate_up_proj"),))
-    return replace(sparse, first_sparse=min(first, int(config.get("num_hidden_layers") or first)), dense_layer=dense,
-                   fusion_groups=sparse.fusion_groups + ((GATE, UP),), vllm_fused=dense.vllm_fused + sparse.vllm_fused[len(arch.vllm_fused):])
+    # the dense layers (DeepSeek's first ones, Llama 4's between the sparse ones): attention and an ordinary MLP under
+    # the layer's own attribute for its feed-forward block (mlp, feed_forward; vLLM's merged gate_up_proj); its groups
+    # and fused name are also the model's, so checks that match names across layers know them
+    dg, du, dd = (f"{m.module}.{w}" for w in (m.gate, m.up, m.down))
+    dense = replace(arch, moe=None, linears=arch.linears + (dg, du, dd), fusion_groups=arch.fusion_groups + ((dg, du),),
+                    smoothing=(*attn_smoothing, SmoothPair("post_attention_layernorm", (dg, du), True),
+                               SmoothPair(du, (dd,), False)),
+                    vllm_fused=arch.vllm_fused + (((dg, du), f"{m.module}.gate_up_proj"),))
+    return replace(sparse, dense_layers=dense_at, dense_layer=dense, fusion_groups=sparse.fusion_groups + ((dg, du),),
+                   vllm_fused=dense.vllm_fused + sparse.vllm_fused[len(arch.vllm_fused):])
+
+
+def dense_layer_indices(arch: Arch, config: dict) -> frozenset[int]:
+    """The layers of an MoE model that hold an ordinary MLP, as transformers' config classes derive them: DeepSeek's
+    first first_k_dense_replace layers; for a family whose sparse layers the config lists (Llama 4), those outside
+    moe_layers, which defaults to every interleave_moe_layer_step-th layer (layers step-1, 2*step-1, ...)."""
+    n = int(config.get("num_hidden_layers") or 0)
+    first = int(config.get("first_k_dense_replace") or 0)
+    dense = set(range(min(first, n)))
+    if arch.moe.interleaved:
+        step = config.get("interleave_moe_layer_step", 1)
+        listed = config.get("moe_layers")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise UsageError(f"config.json's interleave_moe_layer_step is {str(step)[:40]}, not a positive integer",
+                             "restore the model's original config.json")
+        if listed is None:
+            listed = list(range(step - 1, n, step))
+        if not isinstance(listed, list) or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n
+                                               for i in listed):
+            raise UsageError(f"config.json's moe_layers is not a list of layer indices below num_hidden_layers ({n})",
+                             "restore the model's original config.json")
+        dense |= set(range(n)) - set(listed)
+    return frozenset(dense)
 
 
 def arch_for(model_type: str | None, config: dict | None = None) -> Arch:
@@ -439,6 +501,10 @@ def arch_for(model_type: str | None, config: dict | None = None) -> Arch:
     if arch.moe is not None:
         if config is None:
             raise ValueError(f"arch_for({model_type!r}) needs the config: an MoE architecture depends on its expert count")
+        if arch.multimodal:  # a vision-language MoE (Llama 4): the experts are its language model's, in text_config
+            from qtk.model.config_check import text_config
+
+            config = text_config(config)
         arch = with_experts(arch, config)
     return arch
 

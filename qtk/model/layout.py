@@ -39,6 +39,10 @@ class _Rules:
     # config keys whose absence leaves a size or a tensor to the config class's default where that is not the
     # layout's own default (gpt-oss: head_dim 64, attention_bias True): without them the skeleton decides
     needs: tuple[str, ...] = ()
+    dense_size: str = "intermediate_size"  # the config key of a dense layer's MLP size in an MoE model (Llama 4's
+    # intermediate_size_mlp)
+    shared_size: str | None = None  # the config key of the shared expert's size where it is one MLP of its own
+    # (Llama 4: intermediate_size); None: Qwen2-MoE's shared_expert_intermediate_size or DeepSeek's n_shared_experts
 
 
 RULES: dict[str, _Rules] = {
@@ -56,6 +60,8 @@ RULES: dict[str, _Rules] = {
     "glm4_moe": _Rules(attn_bias="qkv_config", head_dim_default=False, qk_norm_key="use_qk_norm",
                        expert_size="moe_intermediate_size", router_bias=True),
     "gpt_oss": _Rules(head_dim_default=False, sinks=True, router_linear_bias=True, needs=("attention_bias", "head_dim")),
+    # Llama 4's q/k norm has no weight: no tensor; head_dim defaults to 128 in its config class
+    "llama4_text": _Rules(head_dim_default=False, dense_size="intermediate_size_mlp", shared_size="intermediate_size"),
 }
 # tensors a checkpoint may hold that no model has as parameters (transformers skips them on load too)
 SKIPPED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
@@ -204,7 +210,8 @@ def layout_from_config(config: dict, arch: Arch) -> Layout | None:
         if m.shared:
             # Qwen2-MoE: one shared expert of its own size behind a gate; DeepSeek-style: n_shared_experts of the
             # experts' size, as one MLP
-            shared = _int(config, "shared_expert_intermediate_size") if m.shared_gate else \
+            shared = _int(config, rules.shared_size) if rules.shared_size else \
+                _int(config, "shared_expert_intermediate_size") if m.shared_gate else \
                 (lambda k: None if k is None else size * k)(_int(config, "n_shared_experts"))
             if shared is None:
                 return None
@@ -213,12 +220,16 @@ def layout_from_config(config: dict, arch: Arch) -> Layout | None:
             if m.shared_gate:
                 linear(f"{m.block}.{m.shared_gate}", 1, hidden)
     layers = (tuple(layer),) * n
-    if arch.dense_layer is not None:  # the first layers hold an MLP where the others hold the MoE block
+    if arch.dense_layer is not None:  # the dense layers hold an MLP where the others hold the MoE block
+        dense_inter = _int(config, rules.dense_size)
+        if dense_inter is None:
+            return None
         layer = attention
-        for m, out, inn in ((GATE, inter, hidden), (UP, inter, hidden), (DOWN, hidden, inter)):
-            linear(m, out, inn)
+        b, m = arch.moe.module, arch.moe
+        for w, out, inn in ((m.gate, dense_inter, hidden), (m.up, dense_inter, hidden), (m.down, hidden, dense_inter)):
+            linear(f"{b}.{w}", out, inn)
         layer += [("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,))]
-        layers = (tuple(layer),) * arch.first_sparse + layers[arch.first_sparse:]
+        layers = tuple(tuple(layer) if i in arch.dense_layers else layers[i] for i in range(n))
     embed, lm_head = f"{arch.embed}.weight", f"{arch.lm_head}.weight"
     outer = ((embed, (vocab, hidden)), (f"{arch.final_norm}.weight", (hidden,)), (lm_head, (vocab, hidden)))
     return Layout(arch.layers, layers, outer, ((embed, lm_head),) if tie else ())

@@ -79,16 +79,38 @@ class UnfusedExperts(nn.ModuleList):
         return out
 
 
+class InputScaledExperts(UnfusedExperts):
+    """Llama 4's experts module (transformers' Llama4TextExperts) over per-expert Linears: its block hands it every
+    token once per expert, [E * tokens, H] expert-major, each already multiplied by the router's score for that
+    expert, and sums what it returns over the experts. The score of an expert a token is not routed to is
+    sigmoid(-inf) = 0, so that token's row is exactly zero, and an expert without biases maps it to zero: each expert
+    runs on its nonzero rows only, the tokens routed to it scaled as the engine scales them (vLLM's fused MoE applies
+    the router weight on the input), so its calibration statistics are the inputs it really gets. A routed token
+    whose score underflows to 0 contributes nothing either way and is not counted."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.view(self.num_experts, -1, hidden_states.shape[-1])  # [E, tokens, H]
+        out = torch.zeros_like(x)
+        with torch.no_grad():
+            routed = x.ne(0).any(dim=-1)  # [E, tokens]
+            counts = routed.sum(dim=1)
+        self.routed = self.routed + counts.cpu()
+        for e in counts.nonzero().flatten().tolist():
+            tok = routed[e].nonzero().flatten()
+            out[e, tok] = self[e](x[e, tok]).to(out.dtype)
+        return out.view(hidden_states.shape)
+
+
 def unfuse_experts(model: nn.Module, arch) -> None:
     """In each decoder layer whose MLP is sparse, replace the block's fused experts by UnfusedExperts and register
     the block under the checkpoint's block name (Mixtral: block_sparse_moe), its router first and its experts
     next (the checkpoint's order; a dense layer of a family that mixes them is left as it is). The layer's forward
     keeps calling `self.mlp`, which then refers to the same module without registering it twice (state_dict and
-    named_modules list each tensor once, under the checkpoint's name). New Linears are created on the fused
+    named_modules list each tensor once, under the checkpoint's name; Llama 4's `feed_forward` is both). New Linears are created on the fused
     parameters' device (meta for a skeleton), uninitialised."""
     m = arch.moe
     for layer in model.get_submodule(arch.layers):
-        block = layer.mlp
+        block = getattr(layer, m.module)
         fused = getattr(block, "experts", None)
         if fused is None or not hasattr(fused, "gate_up_proj"):
             continue  # a dense MLP layer
@@ -96,17 +118,17 @@ def unfuse_experts(model: nn.Module, arch) -> None:
         H, two_i = fused.gate_up_proj.shape[1:] if m.fused.transposed else fused.gate_up_proj.shape[:0:-1]
         dev, dt = fused.gate_up_proj.device, fused.gate_up_proj.dtype
         glu = clamped_swiglu(fused.alpha, fused.limit) if m.activation == "clamped_swiglu" else silu_glu(fused.act_fn)
-        experts = UnfusedExperts(ExpertMLP((m.gate, m.up, m.down), H, two_i // 2, glu, dev, dt, bias=m.bias)
+        experts = (InputScaledExperts if m.input_scaled else UnfusedExperts)(ExpertMLP((m.gate, m.up, m.down), H, two_i // 2, glu, dev, dt, bias=m.bias)
                                  for _ in range(E))
         order = [m.router, "experts", *(k for k in block._modules if k not in (m.router, "experts"))]
         mods = dict(block._modules, experts=experts)
         block._modules.clear()
         for k in order:
             block._modules[k] = mods[k]
-        del layer._modules["mlp"]
+        del layer._modules[m.module]
         layer.add_module(m.block, block)
-        if m.block != "mlp":
-            object.__setattr__(layer, "mlp", block)  # an unregistered alias: the forward reads self.mlp
+        if m.block != m.module:
+            object.__setattr__(layer, m.module, block)  # an unregistered alias: the forward reads self.mlp
 
 
 def moe_blocks(layer: nn.Module, arch) -> dict[str, UnfusedExperts]:

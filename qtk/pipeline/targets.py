@@ -133,7 +133,8 @@ def fp8_block_gemms(source, recipe, i: int):
             continue
         if ".experts." in t:
             yield (t,), [shape], "experts"
-        elif t in ROW_PARALLEL:
+        elif t in ROW_PARALLEL or (arch.moe is not None and t.endswith(f".{arch.moe.down}")):
+            # an MoE family's dense-layer and shared-expert MLPs (Llama 4's feed_forward.down_proj) are vLLM MLPs too
             yield (t,), [shape], "row"
         else:
             yield (t,), [shape], "column"

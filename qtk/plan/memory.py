@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from qtk.errors import UsageError
-from qtk.model.arch import TRAITS, Traits
+from qtk.model.arch import ARCHS, TRAITS, Traits
 from qtk.model.config_check import read_config_json
 from qtk.quant.formats import format_for
 from qtk.quant.formats.base import input_scale_key
@@ -76,7 +76,9 @@ class ModelShape:
     top_k: int = 0
     moe_layers: tuple[bool, ...] = ()
     shared_intermediate: int = 0
-    shared_style: str = ""  # "qwen" (shared_expert + sigmoid gate) | "deepseek" (shared_experts)
+    shared_style: str = ""  # "qwen" (shared_expert + sigmoid gate) | "deepseek" (shared_experts) | "llama4" (shared_expert)
+    block: str = "mlp"  # the feed-forward block's name in a layer (Llama 4: feed_forward)
+    dense_intermediate: int = 0  # a dense layer's MLP size in an MoE model where it is not `intermediate` (Llama 4)
     router_bias: bool = False
     router: str = "gate"  # the router's module name in the MoE block
     router_linear_bias: bool = False  # the router Linear has a bias (gpt-oss)
@@ -89,6 +91,7 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     prefix: str = "model"
+    lm_head: str = "lm_head"
     vision_params: int = 0  # estimated from vision_config; kept at source precision
     notes: tuple[str, ...] = ()
 
@@ -130,6 +133,10 @@ class ModelShape:
             vision = estimate_vision_params(cfg["vision_config"], int(text.get("hidden_size") or 0))
             prefix = "model.language_model"
             notes.append(f"vision tower estimated at {vision / 1e9:.2f}B parameters, kept at source precision")
+        lm_head = "lm_head"
+        own = ARCHS.get(cfg.get("model_type"))
+        if own is not None and own.multimodal:  # the family's own names (Llama 4: the whole LM under language_model)
+            prefix, lm_head = own.layers.rpartition(".layers")[0], own.lm_head
 
         def need(*keys):
             for k in keys:
@@ -162,7 +169,19 @@ class ModelShape:
         moe_layers: tuple[bool, ...] = ()
         expert_inter = shared_inter = top_k = 0
         shared_style = ""
-        if experts:
+        dense_inter = 0
+        if experts and traits.block == "feed_forward":
+            # Llama 4: routed and shared experts of intermediate_size; the layers outside moe_layers (every
+            # interleave_moe_layer_step-th layer by default) dense, of intermediate_size_mlp (the class's defaults)
+            expert_inter = shared_inter = int(intermediate)
+            top_k = int(text.get("num_experts_per_tok") or 1)
+            step = int(text.get("interleave_moe_layer_step") or 1)
+            listed = text.get("moe_layers")
+            sparse = set(listed) if isinstance(listed, list) else set(range(step - 1, layers, step))
+            moe_layers = tuple(i in sparse for i in range(layers))
+            dense_inter = int(text.get("intermediate_size_mlp") or 16384)
+            shared_style = "llama4"
+        elif experts:
             expert_inter = int(text.get("moe_intermediate_size") or intermediate)
             top_k = int(text.get("num_experts_per_tok") or 2)
             if "first_k_dense_replace" in text or "n_routed_experts" in text:
@@ -193,7 +212,8 @@ class ModelShape:
             qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if kv_lora else 0,
             qk_nope_head_dim=int(text.get("qk_nope_head_dim") or 0) if kv_lora else 0,
             v_head_dim=int(text.get("v_head_dim") or 0) if kv_lora else 0,
-            prefix=prefix, vision_params=vision, notes=tuple(notes),
+            block=traits.block, dense_intermediate=dense_inter, prefix=prefix, lm_head=lm_head, vision_params=vision,
+            notes=tuple(notes),
         )
 
 
@@ -201,6 +221,18 @@ def _layer_windows(text: Mapping, layers: int, traits: Traits) -> tuple[int | No
     """Per-layer sliding window (None = full attention), as transformers builds layer_types."""
     window = text.get("sliding_window")
     types = text.get("layer_types")
+    if traits.sliding == "chunked":
+        # Llama 4: the RoPE layers (no_rope_layers[i] == 1) attend within chunks of attention_chunk_size tokens, which
+        # is all their cache holds (vLLM's chunked local attention); the others attend to the whole context
+        chunk = text.get("attention_chunk_size", 8192)  # the config class's default where config.json omits it
+        if not chunk:
+            return (None,) * layers
+        if isinstance(types, list) and len(types) == layers:
+            return tuple(chunk if t == "chunked_attention" else None for t in types)
+        rope = text.get("no_rope_layers")
+        interval = int(text.get("no_rope_layer_interval") or 4)
+        rope = rope if isinstance(rope, list) and len(rope) == layers else [int((i + 1) % interval != 0) for i in range(layers)]
+        return tuple(chunk if r else None for r in rope)
     if not window:
         return (None,) * layers
     if isinstance(types, list) and len(types) == layers:
@@ -306,7 +338,7 @@ def model_tensors(s: ModelShape) -> list[TensorSpec]:
             if s.sinks:
                 t.append(TensorSpec(f"{a}.sinks", (s.heads,), "bias", 1, i))
         if s.is_moe and s.moe_layers[i]:
-            m = f"{L}.mlp"
+            m = f"{L}.{s.block}"
             t.append(TensorSpec(f"{m}.{s.router}.weight", (s.experts, s.hidden), "router", 1, i))
             if s.router_linear_bias:
                 t.append(TensorSpec(f"{m}.{s.router}.bias", (s.experts,), "router", 1, i))
@@ -319,8 +351,10 @@ def model_tensors(s: ModelShape) -> list[TensorSpec]:
                 t.append(TensorSpec(f"{m}.shared_expert_gate.weight", (1, s.hidden), "router", 1, i))
             elif s.shared_style == "deepseek" and s.shared_intermediate:
                 mlp(f"{m}.shared_experts", s.shared_intermediate, i, 1, "shared")
+            elif s.shared_style == "llama4":
+                mlp(f"{m}.shared_expert", s.shared_intermediate, i, 1, "shared")
         else:
-            mlp(f"{L}.mlp", s.intermediate, i)
+            mlp(f"{L}.{s.block}", s.dense_intermediate or s.intermediate, i)
         norm(f"{L}.input_layernorm", s.hidden, i)
         norm(f"{L}.post_attention_layernorm", s.hidden, i)
         if s.sandwich_norms:
@@ -328,7 +362,7 @@ def model_tensors(s: ModelShape) -> list[TensorSpec]:
             norm(f"{L}.post_feedforward_layernorm", s.hidden, i)
     t.append(TensorSpec(f"{p}.norm.weight", (s.hidden,), "norm"))
     if not s.tied:
-        t.append(TensorSpec("lm_head", (s.vocab, s.hidden), "linear", input_group="lm_head"))
+        t.append(TensorSpec(s.lm_head, (s.vocab, s.hidden), "linear", input_group="lm_head"))
     if s.vision_params:
         t.append(TensorSpec("model.visual", (s.vision_params,), "vision"))
     return t
