@@ -1,0 +1,222 @@
+"""The online rotation step (qtk.steps.rotate_online, R4 on down_proj's input): the float model with the rotation
+folded into down_proj and applied to its input computes the source's logits (and a wrong one does not); the
+written compressed-tensors transform, decoded by compressed-tensors' own transform code on the model transformers
+loads, computes what qtk's simulation computes; `qtk inspect` checks the transform from the bytes and fails a matrix
+that is not orthogonal; targets that cannot apply it refuse before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from models import make_tiny_model
+from qtk import api
+from qtk.cli import main
+from qtk.export import open_checkpoint
+from qtk.export.codecs import ct_transform
+from qtk.model.simulate import build_simulated_model
+from qtk.model.source import ModelSource
+from qtk.quant.hadamard import RepeatedRotation, orthogonality_error
+from qtk.recipe.params import OnlineRotateParams
+from qtk.steps import LayerContext, records_from_json, rotate_online
+
+ONLINE = "online transforms"
+IDS = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(0))
+
+R4_W4 = """
+name: r4-w4
+weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
+algorithm: [ALGO]
+ignore: [lm_head]
+"""
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """fp32 Llama whose MLP width 384 = 12 x 32 is no power of two (Paley I(11) ⊗ Sylvester(32))."""
+    return make_tiny_model(tmp_path_factory.mktemp("r4") / "m", hidden=128, intermediate=384, dtype=torch.float32)
+
+
+def rotated_float_model(src, params, *, online: bool = True):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    source = ModelSource(src)
+    rotate_online.source_view(source, params)
+    for i, layer in enumerate(model.get_submodule(source.arch.layers)):
+        ctx = LayerContext(i, source.layer_prefix(i), layer, source.arch, None, list(source.arch.linears), None,
+                           torch.float32)
+        rec = rotate_online.run(ctx, params)
+        assert rec.modules == ["mlp.down_proj"]
+        if not online:  # the weight rotated, the input not: what an engine that ignores the transform computes
+            layer.get_submodule("mlp.down_proj")._forward_pre_hooks.clear()
+    return model
+
+
+@pytest.mark.parametrize("block", [0, 128, 32])
+def test_the_rotated_float_model_computes_the_source_logits(wide, block):
+    from transformers import AutoModelForCausalLM
+
+    base = _logits(AutoModelForCausalLM.from_pretrained(str(wide), dtype=torch.float32).eval())
+    model = rotated_float_model(wide, OnlineRotateParams(seed=5, block=block))
+    assert (_logits(model) - base).abs().max().item() <= 2e-5 * base.abs().max().item()
+    w = model.get_submodule("model.layers.0.mlp.down_proj").weight
+    assert (w - ModelSource(wide).tensor("model.layers.0.mlp.down_proj.weight")).abs().max() > 0.01
+
+
+def test_without_the_online_half_the_logits_change(wide):
+    from transformers import AutoModelForCausalLM
+
+    base = _logits(AutoModelForCausalLM.from_pretrained(str(wide), dtype=torch.float32).eval())
+    model = rotated_float_model(wide, OnlineRotateParams(seed=5), online=False)
+    assert (_logits(model) - base).abs().max().item() > 0.05 * base.abs().max().item()
+
+
+def test_the_repeated_rotation_is_orthogonal_and_its_stored_matrix_is_pm1():
+    for width, block in ((384, 0), (1536, 0), (1536, 512), (14336, 2048), (576, 64)):
+        r = RepeatedRotation.for_width(width, 7, block)
+        m = r.stored()
+        assert set(m.unique().tolist()) == {-1.0, 1.0} and orthogonality_error(m) == 0.0
+        x = torch.randn(3, width, dtype=torch.float64)
+        assert torch.allclose(r.apply(r.apply(x), transpose=True), x, atol=1e-10)
+        # the engine's view: x blockdiag(M/√b, ...) with the stored matrix
+        assert torch.allclose(ct_transform.DenseRotation(m).apply(x), r.apply(x), atol=1e-10)
+
+
+def test_the_record_rebuilds_the_rotated_weight(wide):
+    source = ModelSource(wide)
+    layer = source.layer(source.skeleton(), 1)
+    ctx = LayerContext(1, "model.layers.1.", layer, source.arch, None, list(source.arch.linears), None, torch.float32)
+    rec = rotate_online.run(ctx, OnlineRotateParams(seed=2, block=128))
+    back = records_from_json({"rotate_online": json.loads(json.dumps(rec.to_json()))})["rotate_online"]
+    for rel in source.arch.linears:
+        W = source.tensor(f"model.layers.1.{rel}.weight").float()
+        assert torch.equal(back.reframe(W, rel, source.arch), layer.get_submodule(rel).weight.detach()), rel
+
+
+def _convert(src, tmp_path, calib_file, algo: str, **kw):
+    p = tmp_path / "r.yaml"
+    p.write_text(R4_W4.replace("ALGO", algo))
+    return api.convert(src, str(p), tmp_path / "o", calib=str(calib_file), num_samples=8, seq_len=64,
+                       hash_source=False, **kw)
+
+
+def ct_decoded_model(d):
+    """The checkpoint as transformers + compressed-tensors load it, with compressed-tensors' own transform code
+    (apply_transform_config) hooked on and the stored matrices loaded into its transform modules."""
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    tc = json.loads((d / "config.json").read_text())["quantization_config"]["transform_config"]
+    apply_transform_config(model, TransformConfig.model_validate(tc))
+    stored = {k: v for k, v in load_file(str(d / "model.safetensors")).items() if "_input.weight" in k}
+    assert stored
+    with torch.no_grad():
+        for k, v in stored.items():
+            model.get_parameter(k).copy_(v.float())
+    return model
+
+
+@pytest.mark.parametrize("algo,block", [("rotate, {rotate_online: {seed: 3}}, gptq", 0),
+                                        ("{rotate_online: {seed: 4, block: 128}}, rtn", 128)])
+def test_compressed_tensors_own_transform_code_computes_the_simulation(wide, calib_file, tmp_path, algo, block):
+    """R1/R2 + R4 with GPTQ, and R4 alone block-diagonal with RTN: the same logits through compressed-tensors'
+    transforms as through qtk's simulation; close to the source (int4 noise, not a wrong frame)."""
+    from transformers import AutoModelForCausalLM
+
+    d = _convert(wide, tmp_path, calib_file, algo).outputs["vllm"]
+    tc = json.loads((d / "config.json").read_text())["quantization_config"]["transform_config"]
+    g = tc["config_groups"]["R4"]
+    assert g["type"] == "random-hadamard" and g["head_dim"] == (block or None)
+    assert g["apply"][0]["targets"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
+    a, b = _logits(ct_decoded_model(d)), _logits(sim)
+    assert (a - b).abs().max().item() <= 1e-4
+    # int4 noise, not a wrong frame: the same weights served without the transform are much further from the source
+    base = _logits(AutoModelForCausalLM.from_pretrained(str(wide), dtype=torch.float32).eval())
+    plain = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
+    for i in range(2):
+        plain.get_submodule(f"model.layers.{i}.mlp.down_proj").input_rotation = None
+    assert (_logits(plain) - base).pow(2).mean() > 2 * (a - base).pow(2).mean()
+    rec = json.loads((d / "qtk.json").read_text())["stats"]["algorithm"]["1"]["rotate_online"]
+    assert rec["modules"] == ["mlp.down_proj"] and rec["rotation"]["size"] == 384
+    assert rec["rotation"]["block"] == (block or 384)
+    rep = api.inspect(d)
+    assert rep.ok and any(c.name == ONLINE and c.ok for c in rep.checks)
+
+
+def _rewrite(d, fn):
+    f = d / "model.safetensors"
+    sd = load_file(str(f))
+    fn(sd)
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage", ["not orthogonal", "not ±1", "differs between layers", "missing", "no config"])
+def test_inspect_fails_a_damaged_transform(wide, calib_file, tmp_path, damage):
+    d = _convert(wide, tmp_path, calib_file, "{rotate_online: {block: 128}}, rtn").outputs["vllm"]
+    name = "model.layers.1.mlp.down_proj.R4_input.weight"
+
+    def hurt(sd):
+        m = sd[name].clone()
+        if damage == "not orthogonal":
+            m[0] = m[1]
+        elif damage == "not ±1":
+            m = m * 0.5
+        elif damage == "differs between layers":
+            m = m[torch.randperm(m.shape[0])]
+        if damage == "missing":
+            del sd[name]
+        else:
+            sd[name] = m
+
+    if damage == "no config":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"]["transform_config"] = {}
+        (d / "config.json").write_text(json.dumps(cfg))
+    else:
+        _rewrite(d, hurt)
+    rep = api.inspect(d)
+    assert not rep.ok
+    bad = {c.name: c.detail for c in rep.checks if not c.ok}
+    assert ONLINE in bad and "model.layers.1.mlp.down_proj" in bad[ONLINE], bad
+
+
+@pytest.mark.parametrize("target", ["trtllm", "hf-modelopt", "gptq", "awq"])
+def test_targets_without_online_transforms_refuse_before_any_work(wide, tmp_path, target):
+    r = CliRunner().invoke(main, ["convert", str(wide), "--recipe", "w4a16-rot4-gptq", "-o", str(tmp_path / "o"),
+                                  "-t", target], prog_name="qtk")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert f"target {target} cannot apply the online rotation" in lines[0] and "--target vllm" in lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_block_that_does_not_divide_the_width_is_refused_before_any_work(wide, tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(R4_W4.replace("ALGO", "{rotate_online: {block: 256}}, rtn"))
+    r = CliRunner().invoke(main, ["convert", str(wide), "--recipe", str(p), "-o", str(tmp_path / "o")], prog_name="qtk")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and "cannot rotate llama" in lines[0], r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_rotate_online_conflicts_with_smoothing_steps():
+    from qtk.errors import UsageError
+    from qtk.recipe import parse_recipe
+
+    doc = {"name": "x", "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                    "group_size": 32}, "algorithm": ["rotate_online", "awq"]}
+    with pytest.raises(UsageError, match="rotate_online and awq"):
+        parse_recipe(doc, json.dumps(doc), "x")
