@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from models import make_tiny_model
+from models import apply_ct_transforms, make_tiny_model
 from qtk import api
 from qtk.cli import main
 from qtk.export import open_checkpoint
@@ -111,21 +111,13 @@ def _convert(src, tmp_path, calib_file, algo: str, **kw):
 
 
 def ct_decoded_model(d):
-    """The checkpoint as transformers + compressed-tensors load it, with compressed-tensors' own transform code
-    (apply_transform_config) hooked on and the stored matrices loaded into its transform modules."""
-    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    """The checkpoint as transformers + compressed-tensors load it, with compressed-tensors' own transforms on."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
                                                  quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    tc = json.loads((d / "config.json").read_text())["quantization_config"]["transform_config"]
-    apply_transform_config(model, TransformConfig.model_validate(tc))
-    stored = {k: v for k, v in load_file(str(d / "model.safetensors")).items() if "_input.weight" in k}
-    assert stored
-    with torch.no_grad():
-        for k, v in stored.items():
-            model.get_parameter(k).copy_(v.float())
-    return model
+    assert any("R4_input" in n for n, _ in model.named_modules()) is False
+    return apply_ct_transforms(model, d)
 
 
 @pytest.mark.parametrize("algo,block", [("rotate, {rotate_online: {seed: 3}}, gptq", 0),
@@ -220,3 +212,17 @@ def test_rotate_online_conflicts_with_smoothing_steps():
                                     "group_size": 32}, "algorithm": ["rotate_online", "awq"]}
     with pytest.raises(UsageError, match="rotate_online and awq"):
         parse_recipe(doc, json.dumps(doc), "x")
+
+
+def test_a_moe_family_is_refused_before_any_work(tmp_path):
+    src = make_tiny_model(tmp_path / "moe", model_type="qwen3_moe", hidden=128, intermediate=256, head_dim=32,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
+    p = tmp_path / "r.yaml"
+    p.write_text(R4_W4.replace("ALGO", "rotate_online, rtn"))
+    r = CliRunner().invoke(main, ["convert", str(src), "--recipe", str(p), "-o", str(tmp_path / "o")], prog_name="qtk")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert lines[0] == ("error: the rotate_online step cannot rotate qwen3_moe: it rotates a dense MLP's down_proj, "
+                        "which this family does not have in every layer — use a recipe without rotate_online for this "
+                        "model")
+    assert not (tmp_path / "o").exists()
