@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from qtk.quant.lazy import torch  # the planner counts these tensors without importing torch
 
 GROUP = "R4"  # the config group's name; the tensors are <module>.R4_input.weight
 TYPE = "random-hadamard"
@@ -100,12 +100,12 @@ class DenseRotation:
     """An input transform read from a checkpoint, applied as the engine applies it: x blockdiag(M, ...) with M the
     stored matrix divided by √b (transposed when the transform is an inverse), over each block of b channels."""
 
-    def __init__(self, stored: torch.Tensor, inverse: bool = False):
+    def __init__(self, stored: "torch.Tensor", inverse: bool = False):
         m = stored.to(torch.float64) / float(stored.shape[0]) ** 0.5
         self.m = m.T.contiguous() if inverse else m
         self.block = stored.shape[0]
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: "torch.Tensor") -> "torch.Tensor":
         lead, n = x.shape[:-1], x.shape[-1]
         if n % self.block:
             raise ValueError(f"an input transform of order {self.block} cannot tile an input of width {n}")
