@@ -1,5 +1,7 @@
 """A rotated checkpoint is an ordinary one: vLLM's CPU build runs w4a16-rot-gptq's vllm output as qtk simulates it,
-on the example model and on a tied one whose lm_head the rotation unties (the layout vLLM must load as two tensors)."""
+on the example model and on a tied one whose lm_head the rotation unties (the layout vLLM must load as two tensors).
+An online rotation (rotate_online, a compressed-tensors transform) runs as simulated or is refused for the reason
+qtk.plan.serving.vllm_cpu_support names (vLLM 0.32's CPU build: at the first forward, no cpu_linear)."""
 
 from __future__ import annotations
 
