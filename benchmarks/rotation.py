@@ -158,7 +158,8 @@ def render(report: dict) -> str:
 
         group = f" (group {e['group_size']})" if e.get("group_size") else ""
         lines.append(f"| `{name}`{group} | {e['perplexity']:.3f} | {e['wall_s']:.0f} | "
-                     f"{e['peak_rss_mb']:.0f} | {step('rotate', 's', '{:.1f}')} | {step('rotate', 'peak_extra_rss_mb', '{:.0f}')} | {step('rotate_online', 's', '{:.1f}')} | "
+                     f"{e['peak_rss_mb']:.0f} | {step('rotate', 's', '{:.1f}')} | "
+                     f"{step('rotate', 'peak_extra_rss_mb', '{:.0f}')} | {step('rotate_online', 's', '{:.1f}')} | "
                      f"{step('gptq', 's', '{:.1f}')} | {step('gptq', 'peak_extra_rss_mb', '{:.0f}')} |")
     return "\n".join(lines)
 
