@@ -98,7 +98,9 @@ def input_transforms(tconfig: dict | None, modules: list[str]) -> tuple[dict[str
 
 class DenseRotation:
     """An input transform read from a checkpoint, applied as the engine applies it: x blockdiag(M, ...) with M the
-    stored matrix divided by √b (transposed when the transform is an inverse), over each block of b channels."""
+    stored matrix divided by √b (transposed when the transform is an inverse), over each block of b channels. In
+    float32 (float64 for a float64 input): the engine's GEMM runs in the model dtype, far coarser, and a dense
+    float64 product of a 1536-wide input per down_proj would cost the simulation more than the rest of the layer."""
 
     def __init__(self, stored: "torch.Tensor", inverse: bool = False):
         m = stored.to(torch.float64) / float(stored.shape[0]) ** 0.5
@@ -109,5 +111,6 @@ class DenseRotation:
         lead, n = x.shape[:-1], x.shape[-1]
         if n % self.block:
             raise ValueError(f"an input transform of order {self.block} cannot tile an input of width {n}")
-        y = x.to(torch.float64).reshape(*lead, n // self.block, self.block) @ self.m.to(x.device)
+        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        y = x.to(dt).reshape(*lead, n // self.block, self.block) @ self.m.to(device=x.device, dtype=dt)
         return y.reshape(*lead, n)
