@@ -329,7 +329,7 @@ def _check_transforms(ck, mods: list[str], shapes: dict, rep: CheckReport) -> No
                             f"transform group ({t.group}) for the whole model")
         if m in recorded:
             try:
-                want = RepeatedRotation.from_json(recorded[m]).stored(torch.float64)
+                want = RepeatedRotation.from_json(recorded[m]).unit().stored(torch.float64)
             except (KeyError, TypeError, ValueError) as e:
                 problems.append(f"{m}: qtk.json's rotate_online record is malformed ({e})")
                 continue

@@ -183,11 +183,14 @@ class VLLMWriter(Writer):
         if self.online_rotation not in (None, rec.rotation):  # every layer's step builds it from the same params
             raise AssertionError(f"layer {r.index}: online rotation {rec.rotation} differs from {self.online_rotation}")
         self.online_rotation = rec.rotation
-        stored = RepeatedRotation.from_json(rec.rotation).stored(self.source.dtype)
+        rot = RepeatedRotation.from_json(rec.rotation)
+        stored = rot.unit().stored(self.source.dtype)
+        group = ct_transform.group_for(rec.modules)
         for rel in rec.modules:
             mod = f"{self.source.layer_prefix(r.index)}{rel}"
-            self.shards.add(ct_transform.tensor_name(mod), stored)
+            self.shards.add(ct_transform.tensor_name(mod, group), stored)
             self.online.append(mod)
+            self.online_full = getattr(self, "online_full", True) and self.source.shape(f"{mod}.weight")[1] == rot.block
 
     def config_group(self, scheme: ModuleScheme, targets: list[str]) -> dict:
         # GPTQ's static act-order changes only how the values were chosen: "weight" records it, nothing to decode
@@ -221,8 +224,9 @@ class VLLMWriter(Writer):
     def _transform_config(self) -> dict:
         if not self.online:
             return {}
-        r = self.online_rotation
-        return ct_transform.transform_config(self.online, int(r["block"]), int(r["size"]))
+        block = int(self.online_rotation["block"])
+        # head_dim only where the matrix is smaller than some module's input (vLLM then repeats it over the blocks)
+        return ct_transform.transform_config(self.online, block, block if self.online_full else 0)
 
     def finish(self, manifest: dict) -> None:
         self.shards.close()

@@ -383,16 +383,14 @@ def _online_transform_tensors(s: ModelShape, recipe, dtype: str) -> list[DiskTen
     step = recipe.step("rotate_online")
     if step is None:
         return []
-    from qtk.export.codecs.ct_transform import tensor_name
+    from qtk.export.codecs.ct_transform import group_for, tensor_name
     from qtk.quant.hadamard import largest_block
 
     b = step.params.block or largest_block(s.intermediate)
-    out = []
-    for i in range(s.layers):
-        mod = f"{s.prefix}.layers.{i}.mlp.down_proj"
-        if scheme_of(recipe, mod) is not None:
-            out.append(DiskTensor(tensor_name(mod), (b, b), dtype, "dense"))
-    return out
+    mods = [t.name for t in model_tensors(s) if t.role == "linear" and scheme_of(recipe, t.name) is not None
+            and (step.params.modules == "all" or t.name.endswith(".mlp.down_proj"))]
+    group = group_for(mods)
+    return [DiskTensor(tensor_name(m, group), (b, b), dtype, "dense") for m in mods]
 
 
 def unties_embeddings(recipe) -> bool:

@@ -327,6 +327,14 @@ class RepeatedRotation:
         block = int(d.get("block") or d["size"])
         return cls(int(d["size"]), Rotation(block, None if d.get("seed") is None else int(d["seed"])))
 
+    def unit(self) -> "RepeatedRotation":
+        """The repeated matrix alone (size = block): what is stored, and what tiles any width it divides."""
+        return RepeatedRotation(self.block, self.inner)
+
+    def tiling(self, width: int) -> "RepeatedRotation":
+        """The same repeated matrix over another width (an input of `width` channels)."""
+        return RepeatedRotation(width, self.inner)
+
     @classmethod
     def for_width(cls, width: int, seed: int | None, block: int = 0) -> "RepeatedRotation":
         """The online rotation of a `width`-wide input: one Hadamard of the whole width where one can be built (or of

@@ -326,10 +326,13 @@ class OnlineRotateParams(StepParams):
 
     seed: the random ±1 signs of R (recorded in qtk.json); block: 0 for one Hadamard of the whole width (a
     block-diagonal one where no construction reaches it), else the order of the blocks of a block-diagonal R (a
-    power of two such as 128 keeps the stored matrix and the run-time GEMM small)."""
+    power of two such as 128 keeps the stored matrix and the run-time GEMM small). modules: "down_proj" (R4), or
+    "all": every quantized Linear's input rotated within blocks of `block` channels (the FP4 recipes' within-group
+    Hadamard of MR-GPTQ / FP-Quant with block = the group size; needs a block)."""
 
     seed: int = 0
     block: int = 0
+    modules: str = "down_proj"
 
     needs_data = False
     changes_frame = True
@@ -346,6 +349,11 @@ class OnlineRotateParams(StepParams):
         if self.block < 0 or (self.block and self.block % 4 and self.block not in (1, 2)):
             raise UsageError(f"{where}.block: must be 0 (the whole width) or a Hadamard order (1, 2 or a multiple of 4), "
                              f"got {self.block}", "use 0, or a power of two such as 128")
+        if self.modules not in ("down_proj", "all"):
+            raise UsageError(f"{where}.modules: must be down_proj or all, got {self.modules!r}", "use modules: down_proj")
+        if self.modules == "all" and not self.block:
+            raise UsageError(f"{where}.modules: all rotates inputs of several widths, within blocks of one order",
+                             "set block, e.g. the weights' group size (16 for NVFP4)")
 
 
 def parse_step_params(name: str, raw: Any, where: str):

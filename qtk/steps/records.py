@@ -138,8 +138,9 @@ class RotateRecord(StepRecord):
 @dataclass
 class OnlineRotateRecord(StepRecord):
     """The online rotation of a layer (qtk.steps.rotate_online): the Linears whose inputs the engine rotates at run
-    time (relative names) and the rotation (qtk.quant.hadamard.RepeatedRotation's JSON: width, block, seed), folded
-    into their weights as W R."""
+    time (relative names) and the rotation (qtk.quant.hadamard.RepeatedRotation's JSON: width, block, seed; the
+    width is the block when the modules' inputs differ), folded into their weights as W R: the block's matrix
+    repeated over each module's input."""
 
     name = "rotate_online"
     modules: list[str] = field(default_factory=list)
@@ -164,7 +165,7 @@ class OnlineRotateRecord(StepRecord):
             return W
         from qtk.quant.hadamard import RepeatedRotation
 
-        return RepeatedRotation.from_json(self.rotation).apply(W).float()
+        return RepeatedRotation.from_json(self.rotation).tiling(W.shape[1]).apply(W).float()
 
 
 def _smoothed(W, rel: str, arch, scales: dict[str, list[float]]):

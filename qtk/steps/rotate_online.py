@@ -56,7 +56,13 @@ def check_source(source, params: OnlineRotateParams) -> None:
                          "transform only to a Linear without one (CompressedTensorsLinearTransformMethod.apply)",
                          "use a recipe without rotate_online for this model")
     try:
-        rotation_for(source.config_dict, params)
+        r = rotation_for(source.config_dict, params)
+        if params.modules == "all":
+            hidden = int(source.config_dict["hidden_size"])
+            heads = int(source.config_dict["num_attention_heads"])
+            head_dim = int(source.config_dict.get("head_dim") or hidden // heads)
+            for w in (hidden, heads * head_dim):
+                r.tiling(w)
     except ValueError as e:
         raise UsageError(f"the rotate_online step cannot rotate {mt} (intermediate_size "
                          f"{_width(source.config_dict)}): {e}",
@@ -81,19 +87,24 @@ def rotate_input(module: torch.nn.Module, r: RepeatedRotation) -> None:
 
 
 def run(ctx: LayerContext, params: OnlineRotateParams) -> OnlineRotateRecord:
-    rel = down_proj_of(ctx.arch)
-    if rel not in ctx.targets:  # the recipe leaves it unquantized: nothing to rotate for a quantized GEMM
+    # the quantized Linears it applies to (an unquantized one gets none: nothing to flatten for a quantized GEMM)
+    rels = list(ctx.targets) if params.modules == "all" else [r for r in [down_proj_of(ctx.arch)] if r in ctx.targets]
+    if not rels:
         return OnlineRotateRecord()
-    mod = ctx.layer.get_submodule(rel)
-    r = RepeatedRotation.for_width(mod.weight.shape[1], params.seed, params.block)
+    widths = {ctx.layer.get_submodule(t).weight.shape[1] for t in rels}
+    r = RepeatedRotation.for_width(max(widths), params.seed, params.block)
     with torch.no_grad():
-        src = ctx.master[rel] if rel in ctx.master else mod.weight.detach().float()
-        w = r.apply(src).float()
-        if rel in ctx.master:
-            ctx.master[rel] = w
-        mod.weight.copy_(w)
-    rotate_input(mod, r)
-    return OnlineRotateRecord([rel], r.to_json())
+        for t in rels:
+            mod = ctx.layer.get_submodule(t)
+            rt = r.tiling(mod.weight.shape[1])
+            src = ctx.master[t] if t in ctx.master else mod.weight.detach().float()
+            w = rt.apply(src).float()
+            if t in ctx.master:
+                ctx.master[t] = w
+            mod.weight.copy_(w)
+            rotate_input(mod, rt)
+    # one width: recorded as it is (the block is that width for a full R4); several: as the repeated block
+    return OnlineRotateRecord(rels, (r if len(widths) == 1 else r.unit()).to_json())
 
 
 register_step("rotate_online", source_view=source_view)(run)

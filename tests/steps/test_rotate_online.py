@@ -56,18 +56,19 @@ def rotated_float_model(src, params, *, online: bool = True):
         ctx = LayerContext(i, source.layer_prefix(i), layer, source.arch, None, list(source.arch.linears), None,
                            torch.float32)
         rec = rotate_online.run(ctx, params)
-        assert rec.modules == ["mlp.down_proj"]
+        assert rec.modules == (list(source.arch.linears) if params.modules == "all" else ["mlp.down_proj"])
         if not online:  # the weight rotated, the input not: what an engine that ignores the transform computes
-            layer.get_submodule("mlp.down_proj")._forward_pre_hooks.clear()
+            for rel in rec.modules:
+                layer.get_submodule(rel)._forward_pre_hooks.clear()
     return model
 
 
-@pytest.mark.parametrize("block", [0, 128, 32])
-def test_the_rotated_float_model_computes_the_source_logits(wide, block):
+@pytest.mark.parametrize("block,modules", [(0, "down_proj"), (128, "down_proj"), (32, "down_proj"), (16, "all")])
+def test_the_rotated_float_model_computes_the_source_logits(wide, block, modules):
     from transformers import AutoModelForCausalLM
 
     base = _logits(AutoModelForCausalLM.from_pretrained(str(wide), dtype=torch.float32).eval())
-    model = rotated_float_model(wide, OnlineRotateParams(seed=5, block=block))
+    model = rotated_float_model(wide, OnlineRotateParams(seed=5, block=block, modules=modules))
     assert (_logits(model) - base).abs().max().item() <= 2e-5 * base.abs().max().item()
     w = model.get_submodule("model.layers.0.mlp.down_proj").weight
     assert (w - ModelSource(wide).tensor("model.layers.0.mlp.down_proj.weight")).abs().max() > 0.01
@@ -121,28 +122,33 @@ def ct_decoded_model(d):
 
 
 @pytest.mark.parametrize("algo,block", [("rotate, {rotate_online: {seed: 3}}, gptq", 0),
-                                        ("{rotate_online: {seed: 4, block: 128}}, rtn", 128)])
+                                        ("{rotate_online: {seed: 4, block: 128}}, rtn", 128),
+                                        ("{rotate_online: {seed: 4, block: 16, modules: all}}, gptq", 16)])
 def test_compressed_tensors_own_transform_code_computes_the_simulation(wide, calib_file, tmp_path, algo, block):
-    """R1/R2 + R4 with GPTQ, and R4 alone block-diagonal with RTN: the same logits through compressed-tensors'
-    transforms as through qtk's simulation; close to the source (int4 noise, not a wrong frame)."""
+    """R1/R2 + R4 with GPTQ, R4 alone block-diagonal with RTN, and every Linear's input rotated within blocks of 16
+    with GPTQ: the same logits through compressed-tensors' transforms as through qtk's simulation; int4 noise, not a
+    wrong frame."""
     from transformers import AutoModelForCausalLM
 
     d = _convert(wide, tmp_path, calib_file, algo).outputs["vllm"]
     tc = json.loads((d / "config.json").read_text())["quantization_config"]["transform_config"]
-    g = tc["config_groups"]["R4"]
+    every = "modules: all" in algo
+    (name, g), = tc["config_groups"].items()
+    assert name == ("HG" if every else "R4")
     assert g["type"] == "random-hadamard" and g["head_dim"] == (block or None)
-    assert g["apply"][0]["targets"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    want = [f"model.layers.{i}.{m}" for i in range(2) for m in (ModelSource(wide).arch.linears if every else ["mlp.down_proj"])]
+    assert g["apply"][0]["targets"] == sorted(want)
     sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
     a, b = _logits(ct_decoded_model(d)), _logits(sim)
     assert (a - b).abs().max().item() <= 1e-4
     # int4 noise, not a wrong frame: the same weights served without the transform are much further from the source
     base = _logits(AutoModelForCausalLM.from_pretrained(str(wide), dtype=torch.float32).eval())
     plain = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
-    for i in range(2):
-        plain.get_submodule(f"model.layers.{i}.mlp.down_proj").input_rotation = None
+    for m in want:
+        plain.get_submodule(m).input_rotation = None
     assert (_logits(plain) - base).pow(2).mean() > 2 * (a - base).pow(2).mean()
     rec = json.loads((d / "qtk.json").read_text())["stats"]["algorithm"]["1"]["rotate_online"]
-    assert rec["modules"] == ["mlp.down_proj"] and rec["rotation"]["size"] == 384
+    assert sorted(rec["modules"]) == sorted(m.partition("layers.1.")[2] for m in want if ".1." in m)
     assert rec["rotation"]["block"] == (block or 384)
     rep = api.inspect(d)
     assert rep.ok and any(c.name == ONLINE and c.ok for c in rep.checks)

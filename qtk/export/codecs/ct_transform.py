@@ -25,7 +25,12 @@ from dataclasses import dataclass
 
 from qtk.quant.lazy import torch  # the planner counts these tensors without importing torch
 
-GROUP = "R4"  # the config group's name; the tensors are <module>.R4_input.weight
+GROUP = "R4"  # the config group's name for down_proj's rotation; the tensors are <module>.R4_input.weight
+GROUP_ALL = "HG"  # for every Linear's input rotated within blocks (a Hadamard within groups)
+
+
+def group_for(modules: list[str]) -> str:
+    return GROUP if all(m.endswith("down_proj") for m in modules) else GROUP_ALL
 TYPE = "random-hadamard"
 
 
@@ -34,8 +39,9 @@ def tensor_name(module: str, group: str = GROUP, location: str = "input") -> str
 
 
 def transform_config(modules: list[str], block: int, width: int) -> dict:
-    """The transform_config of one online input rotation of `modules` (full names) with a [block, block] matrix."""
-    return {"config_groups": {GROUP: {
+    """The transform_config of one online input rotation of `modules` (full names) with a [block, block] matrix;
+    head_dim unset when the matrix is the whole input (block == width)."""
+    return {"config_groups": {group_for(modules): {
         "type": TYPE,
         "apply": [{"targets": sorted(modules), "location": "input", "inverse": False, "ignore": []}],
         "randomize": False,
