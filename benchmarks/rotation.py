@@ -37,12 +37,13 @@ BASES = ("w4a16-gptq", "nvfp4-gptq")
 
 # the rotations each base recipe is run with, listed before its own steps: offline R1/R2 (`rotate`), R4 on
 # down_proj's input applied by the engine at run time (`rotate_online`: one Hadamard of the MLP width, or
-# block-diagonal ones of an FP4 group's order), and both
+# block-diagonal ones of an FP4 group's order), both, and every Linear's input within FP4 groups of 16
 VARIANTS = {
     "rotate": [{"rotate": {"seed": 0}}],
     "rotate_online": [{"rotate_online": {"seed": 1}}],
     "rotate + rotate_online": [{"rotate": {"seed": 0}}, {"rotate_online": {"seed": 1}}],
     "rotate_online block 16": [{"rotate_online": {"seed": 1, "block": 16}}],
+    "rotate_online all block 16": [{"rotate_online": {"seed": 1, "block": 16, "modules": "all"}}],
 }
 
 
