@@ -232,3 +232,19 @@ def test_a_moe_family_is_refused_before_any_work(tmp_path):
                         "which this family does not have in every layer — use a recipe without rotate_online for this "
                         "model")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("params,message", [
+    ("{modules: attn}", "rotate_online.modules: must be down_proj or all, got 'attn' — use modules: down_proj"),
+    ("{modules: all}", "rotate_online.modules: all rotates inputs of several widths, within blocks of one order — "
+                       "set block, e.g. the weights' group size (16 for NVFP4)"),
+    ("{block: 6}", "rotate_online.block: must be 0 (the whole width) or a Hadamard order (1, 2 or a multiple of 4), "
+                   "got 6 — use 0, or a power of two such as 128"),
+    ("{seed: -1}", "rotate_online.seed: must be in [0, 2^63), got -1 — use e.g. 0"),
+])
+def test_bad_parameters_are_refused_in_one_line(tmp_path, params, message):
+    p = tmp_path / "r.yaml"
+    p.write_text(R4_W4.replace("ALGO", f"{{rotate_online: {params}}}, rtn"))
+    r = CliRunner().invoke(main, ["recipes", "show", str(p)], prog_name="qtk")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and lines == [f"error: r.yaml: algorithm[0].{message}"], r.output
