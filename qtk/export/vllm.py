@@ -101,6 +101,7 @@ class VLLMWriter(Writer):
         self.groups: dict[ModuleScheme, list[str]] = {}  # modules per scheme, as written
         self.online: list[str] = []  # modules whose input the engine rotates (qtk.steps.rotate_online)
         self.online_rotation: dict | None = None  # its RepeatedRotation JSON: one for the model, as vLLM keeps one
+        self.online_full = True  # the matrix is each rotated module's whole input (no head_dim in the config)
 
     @classmethod
     def check(cls, source, recipe, options):
@@ -190,7 +191,7 @@ class VLLMWriter(Writer):
             mod = f"{self.source.layer_prefix(r.index)}{rel}"
             self.shards.add(ct_transform.tensor_name(mod, group), stored)
             self.online.append(mod)
-            self.online_full = getattr(self, "online_full", True) and self.source.shape(f"{mod}.weight")[1] == rot.block
+            self.online_full = self.online_full and self.source.shape(f"{mod}.weight")[1] == rot.block
 
     def config_group(self, scheme: ModuleScheme, targets: list[str]) -> dict:
         # GPTQ's static act-order changes only how the values were chosen: "weight" records it, nothing to decode
