@@ -154,6 +154,13 @@ def llmc_config(doc: dict, observer: str = "static_minmax") -> dict:
         elif name == "rotate":  # llm-compressor's offline R1/R2 with random Hadamards (spelled; not in RECIPES yet)
             mods.append({"type": "SpinQuantModifier", "kwargs": {
                 "rotations": ["R1", "R2"] if p.get("r2", True) else ["R1"], "transform_type": "random-hadamard"}})
+        elif name == "rotate_online":  # R4, applied by the engine: SpinQuant's R4 (one modifier with R1/R2 if listed)
+            spin = next((m for m in mods if m["type"] == "SpinQuantModifier"), None)
+            if spin is None:
+                mods.append({"type": "SpinQuantModifier", "kwargs": {"rotations": ["R4"],
+                                                                      "transform_type": "random-hadamard"}})
+            else:
+                spin["kwargs"]["rotations"].append("R4")
         elif name == "rtn":
             mods.append({"type": "QuantizationModifier", "kwargs": quant})
     return {"modifiers": mods, "calibrate": calibrate}

@@ -35,9 +35,25 @@ DOC = ROOT / "docs" / "real-model.md"
 BASES = ("w4a16-gptq", "nvfp4-gptq")
 
 
-def rotated(doc: dict) -> dict:
-    """The recipe with the rotate step listed first."""
-    return {**doc, "name": doc["name"] + " + rotate", "algorithm": [{"rotate": {"seed": 0}}, *doc["algorithm"]]}
+# the rotations each base recipe is run with, listed before its own steps: offline R1/R2 (`rotate`), R4 on
+# down_proj's input applied by the engine at run time (`rotate_online`: one Hadamard of the MLP width, or
+# block-diagonal ones of an FP4 group's order), both, and every Linear's input within FP4 groups of 16
+VARIANTS = {
+    "rotate": [{"rotate": {"seed": 0}}],
+    "rotate_online": [{"rotate_online": {"seed": 1}}],
+    "rotate + rotate_online": [{"rotate": {"seed": 0}}, {"rotate_online": {"seed": 1}}],
+    "rotate_online block 16": [{"rotate_online": {"seed": 1, "block": 16}}],
+    "rotate_online all block 16": [{"rotate_online": {"seed": 1, "block": 16, "modules": "all"}}],
+}
+
+
+def rotated(doc: dict, variant: str = "rotate") -> dict:
+    """The recipe with the variant's rotation steps listed first."""
+    return {**doc, "name": f"{doc['name']} + {variant}", "algorithm": [*VARIANTS[variant], *doc["algorithm"]]}
+
+
+def _file_name(name: str) -> str:
+    return name.replace(" + ", "+").replace(" ", "-")
 
 
 def _rss_kb(key: str) -> int:
@@ -88,7 +104,7 @@ def child(argv: list[str]) -> None:
 
     steps = timed_steps()
     doc = json.loads(Path(a.recipe).read_text())
-    recipe = parse_recipe(doc, json.dumps(doc), doc["name"].replace(" + ", "+"))
+    recipe = parse_recipe(doc, json.dumps(doc), _file_name(doc["name"]))
     ids = torch.load(a.ids, weights_only=True)
     t0 = time.perf_counter()
     res = convert(a.model, recipe, a.out, targets=["vllm"], calib_ids=ids if recipe.needs_calibration else None,
@@ -134,7 +150,7 @@ def render(report: dict) -> str:
              f"over {report['perplexity_tokens']} tokens (unquantized: {report['unquantized_perplexity']:.3f}); "
              f"`nice`, {s['threads']} threads on a shared 2-core machine (times are indicative).", "",
              "| recipe | held-out ppl | convert wall s | convert peak RSS MB | rotate step s | rotate step peak +RSS MB "
-             "| GPTQ step s | GPTQ step peak +RSS MB |", "|---|---|---|---|---|---|---|---|"]
+             "| rotate_online step s | GPTQ step s | GPTQ step peak +RSS MB |", "|---|---|---|---|---|---|---|---|---|"]
     for name, e in report["recipes"].items():
         st = e.get("steps", {})
 
@@ -143,7 +159,8 @@ def render(report: dict) -> str:
 
         group = f" (group {e['group_size']})" if e.get("group_size") else ""
         lines.append(f"| `{name}`{group} | {e['perplexity']:.3f} | {e['wall_s']:.0f} | "
-                     f"{e['peak_rss_mb']:.0f} | {step('rotate', 's', '{:.1f}')} | {step('rotate', 'peak_extra_rss_mb', '{:.0f}')} | "
+                     f"{e['peak_rss_mb']:.0f} | {step('rotate', 's', '{:.1f}')} | "
+                     f"{step('rotate', 'peak_extra_rss_mb', '{:.0f}')} | {step('rotate_online', 's', '{:.1f}')} | "
                      f"{step('gptq', 's', '{:.1f}')} | {step('gptq', 'peak_extra_rss_mb', '{:.0f}')} |")
     return "\n".join(lines)
 
@@ -161,6 +178,9 @@ def write_doc(table: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bases", nargs="+", default=list(BASES), help="built-in recipes, each run as it is and rotated")
+    ap.add_argument("--variants", nargs="+", default=["rotate"], choices=list(VARIANTS),
+                    help="the rotations each base is run with (beside the base itself, unless --no-plain)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the base recipes themselves (kept from the JSON)")
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
@@ -205,17 +225,17 @@ def main():
         results = dict(prev.get("recipes", {}))  # entries of bases not run this time are kept
     for base in a.bases:
         plain = rm.qtk_recipe_doc(base, in_features)
-        for doc in (plain, rotated(plain)):
+        for doc in ([] if a.no_plain else [plain]) + [rotated(plain, v) for v in a.variants]:
             name = doc["name"]
-            out = a.work / name.replace(" + ", "+")
-            rfile = a.work / f"{name.replace(' + ', '+')}.recipe.json"
+            out = a.work / _file_name(name)
+            rfile = a.work / f"{_file_name(name)}.recipe.json"
             rfile.write_text(json.dumps(doc))
             import shutil
 
             shutil.rmtree(out, ignore_errors=True)
             wall, rss = vsl.run_measured([sys.executable, str(Path(__file__).resolve()), "_qtk", "--model", str(model),
                                           "--ids", str(ids_file), "--recipe", str(rfile), "--out", str(out)],
-                                         a.work / f"{name.replace(' + ', '+')}.log")
+                                         a.work / f"{_file_name(name)}.log")
             t = json.loads((out / "vllm" / "timings.json").read_text()) if (out / "vllm" / "timings.json").is_file() \
                 else json.loads((out / "timings.json").read_text())
             ppl = rm.checkpoint_ppl(out / "vllm", windows)

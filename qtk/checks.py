@@ -267,7 +267,75 @@ def check_checkpoint(ck, *, source=None, recipe=None, source_note: str = "",
     rep.add(STRUCTURE, found.structure, f"{len(mods)} quantized Linears, {len(found.dense_seen)} dense tensors")
     _report_linears(ck, mods, recipe, recipe_problem, source, source_note, found, rep)
     _report_scales(ck, found, rep)
+    _check_transforms(ck, mods, shapes, rep)
     return rep
+
+
+def _check_transforms(ck, mods: list[str], shapes: dict, rep: CheckReport) -> None:  # noqa: C901
+    """The online transforms the engine applies (a compressed-tensors transform_config), from the bytes: each
+    declared module's matrix present, square, of an order that tiles its input, ±1 and orthogonal (M Mᵀ = b I), one
+    matrix for every module of a group (vLLM keeps one); and the modules and rotation qtk.json records for the
+    rotate_online step, which the config must declare and the stored matrix equal. Reported only where either
+    exists."""
+    import torch
+
+    from qtk.quant.hadamard import RepeatedRotation, orthogonality_error
+
+    transforms, problems = ck.input_transforms()
+    problems = list(problems)
+    arch = ck.arch
+    recorded: dict[str, dict] = {}
+    for layer, recs in (((ck.manifest or {}).get("stats") or {}).get("algorithm") or {}).items():
+        r = (recs or {}).get("rotate_online")
+        if r and arch is not None:
+            for rel in r.get("modules") or []:
+                recorded[f"{arch.layers}.{layer}.{rel}"] = r.get("rotation") or {}
+    if not transforms and not problems and not recorded:
+        return
+    quantized = set(mods)
+    first: dict[str, "torch.Tensor"] = {}
+    for m, t in sorted(transforms.items()):
+        shape = shapes.get(f"{m}.weight")
+        width = shape[1] if shape else None
+        if m not in quantized:
+            problems.append(f"{m}: an input transform on a Linear that is not quantized")
+        if not ck.has(t.tensor):
+            problems.append(f"{t.tensor}: missing (the transform_config applies {t.group} to {m})")
+            continue
+        stored = ck.tensor(t.tensor)
+        b = stored.shape[0] if stored.dim() == 2 else None
+        if b is None or stored.shape[1] != b or (t.block is not None and b != t.block) or (
+                width is not None and (width % b or (t.block is None and b != width))):
+            problems.append(f"{t.tensor}: shape {list(stored.shape)}, the transform needs "
+                            f"[{t.block or width}, {t.block or width}] for an input of {width}")
+            continue
+        m64 = stored.to(torch.float64)
+        if not bool((m64.abs() == 1).all()):
+            problems.append(f"{t.tensor}: entries other than ±1, not a Hadamard matrix the engine divides by √{b}")
+            continue
+        err = orthogonality_error(m64)
+        if err > 1e-9:
+            problems.append(f"{t.tensor}: not orthogonal (max |M Mᵀ/{b} − I| = {err:.3g}): the rotated weight no "
+                            "longer computes the source")
+            continue
+        ref = first.setdefault(t.group, m64)
+        if not torch.equal(ref, m64):
+            problems.append(f"{t.tensor}: differs from the group's first matrix, but vLLM loads one matrix per "
+                            f"transform group ({t.group}) for the whole model")
+        if m in recorded:
+            try:
+                want = RepeatedRotation.from_json(recorded[m]).unit().stored(torch.float64)
+            except (KeyError, TypeError, ValueError) as e:
+                problems.append(f"{m}: qtk.json's rotate_online record is malformed ({e})")
+                continue
+            if not torch.equal(want, m64):
+                problems.append(f"{t.tensor}: not the rotation qtk.json records for {m} ({recorded[m]})")
+    for m in sorted(set(recorded) - set(transforms)):
+        problems.append(f"{m}: qtk.json records an online rotation, but the config's transform_config does not apply "
+                        "one (its weight is stored rotated: served without it, the layer computes something else)")
+    groups = sorted({t.group for t in transforms.values()})
+    rep.add("online transforms", problems,
+            f"{len(transforms)} Linears with an input rotation ({', '.join(groups)}), matrices ±1 and orthogonal")
 
 
 def _check_linears(ck, mods: list[str], shapes: dict, source, measured: dict, found: _Findings,

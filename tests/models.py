@@ -141,3 +141,28 @@ def _ct_version() -> tuple[int, ...]:
 needs_ct_float32_decode = pytest.mark.skipif(
     _ct_version() < (0, 20), reason="compressed-tensors < 0.20 (vLLM 0.32's pin) decompresses into bf16; "
                                     "this 1e-4 comparison runs in the main environment")
+
+
+def apply_ct_transforms(model, d: Path):
+    """A model transformers loaded from checkpoint `d`, with compressed-tensors' own transform code
+    (apply_transform_config) hooked on as the config's transform_config says and the stored transform matrices
+    loaded into its transform modules: the online rotations decoded by compressed-tensors, not by qtk. The model
+    unchanged when the config declares none."""
+    import json
+
+    from safetensors import safe_open
+
+    tc = (json.loads((Path(d) / "config.json").read_text()).get("quantization_config") or {}).get("transform_config")
+    if not tc:
+        return model
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+    apply_transform_config(model, TransformConfig.model_validate(tc))
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    with torch.no_grad():
+        for f in sorted(Path(d).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                for k in h.keys():
+                    if k in names and "_input.weight" in k:
+                        model.get_parameter(k).copy_(h.get_tensor(k).to(model.get_parameter(k).dtype))
+    return model

@@ -87,8 +87,13 @@ def test_each_builtin_recipe_has_its_llmcompressor_spelling(bench, name):
     steps = [next(iter(s)) if isinstance(s, dict) else s for s in doc["algorithm"]]
     expected = {"smoothquant": ["SmoothQuantModifier"], "awq": ["AWQModifier", "QuantizationModifier"],
                 "gptq": ["GPTQModifier"], "rtn": ["QuantizationModifier"],
-                "rotate": ["SpinQuantModifier"]}
+                "rotate": ["SpinQuantModifier"],
+                # R4 joins the offline rotations' SpinQuantModifier (its own where R1/R2 are not listed)
+                "rotate_online": [] if "rotate" in steps else ["SpinQuantModifier"]}
     assert types == [t for s in steps for t in expected[s]]
+    if "rotate_online" in steps:
+        spin = next(m for m in cfg["modifiers"] if m["type"] == "SpinQuantModifier")
+        assert spin["kwargs"]["rotations"][-1] == "R4"
     act = doc.get("activations")
     if act and act.get("dynamic") is not True and name not in bench.LLMC_PRESETS:
         assert group["input_activations"]["observer"] == "static_minmax"  # llm-compressor's FP8 preset observer

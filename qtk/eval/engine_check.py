@@ -188,7 +188,13 @@ def compare(path: str | Path, windows: list[list[int]], proc, *, baseline: bool 
         return res
     res.kv_cache_dtype, res.schemes = load.kv_cache_dtype, load.schemes
     t0 = time.perf_counter()
-    lp = proc.logprobs(windows, k=1)
+    from qtk.eval.vllm_process import EngineRefused
+
+    try:
+        lp = proc.logprobs(windows, k=1)
+    except EngineRefused as e:
+        res.status, res.reason = "refused", e.reason()
+        return res
     res.seconds["engine"] = round(time.perf_counter() - t0, 3)
     e_lp = [lp.actual[r].tolist() for r in lp.rows()]
     e_top = [lp.top_ix[r, 0].tolist() for r in lp.rows()]

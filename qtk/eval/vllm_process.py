@@ -81,6 +81,17 @@ class LoadResult:
         return f"{self.error}: {' '.join(lines)}"[:1200] if lines else str(self.error)
 
 
+class EngineRefused(Exception):
+    """vLLM loaded a checkpoint but could not run it (an exception at its first forward): its refusal, found late."""
+
+    def __init__(self, error: str, message: str):
+        super().__init__(f"{error}: {message}")
+        self.error, self.message = error, message
+
+    def reason(self) -> str:
+        return " ".join(f"{self.error}: {self.message}".split())[:1200]
+
+
 @dataclass
 class PromptLogprobs:
     """Prompt log-probs of S sequences, their predicted positions one after another (N = sum of lengths - 1):
@@ -199,7 +210,9 @@ class VLLMProcess:
         fd, out = tempfile.mkstemp(prefix="qtk-vllm-", suffix=".npz")
         os.close(fd)
         try:
-            self.call("logprobs", seqs=[list(map(int, s)) for s in seqs], k=k, out=out)
+            ans = self.call("logprobs", seqs=[list(map(int, s)) for s in seqs], k=k, out=out)
+            if ans.get("refused"):
+                raise EngineRefused(ans.get("error", ""), ans.get("message", ""))
             with np.load(out, allow_pickle=False) as z:
                 return PromptLogprobs(z["actual"], z["top_ix"], z["top_lp"], z["lengths"])
         finally:

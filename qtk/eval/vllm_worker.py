@@ -111,7 +111,12 @@ class Worker:
         k = max(int(req.get("k", 1)), 1)
         sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
         seqs = req["seqs"]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in seqs], sp, use_tqdm=False)
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in seqs], sp, use_tqdm=False)
+        except Exception as e:  # loaded, but a layer has no working path on this device (vLLM 0.32's online transforms
+            # on CPU): the engine's refusal, found at the first forward rather than at load
+            return {"ok": False, "refused": True, "error": type(e).__name__,
+                    "message": f"loaded, but failed at its first forward: {e}"}
         n = sum(len(s) - 1 for s in seqs)
         actual = np.zeros(n, dtype=np.float32)
         top_ix = np.zeros((n, k), dtype=np.int32)

@@ -65,6 +65,10 @@ def _check(target: str, source, recipe, options) -> None:
     if source.arch.multimodal and not w.multimodal:
         raise UsageError(f"target {target} does not write vision-language models ({source.arch.name}): qtk writes them "
                          "to --target vllm only, whose config excludes the vision tower and projector from quantization")
+    online = recipe.online_steps
+    if online and not w.online_transforms:  # no fix of its own: check_targets names the targets that accept
+        raise UsageError(f"target {target} cannot apply the online rotation of recipe {recipe.name} ({online[0]}): "
+                         "its engine has no run-time transform of a Linear's input")
     w.check(source, recipe, options)
 
 

@@ -64,6 +64,8 @@ class Writer:
     serves_with: tuple[str, ...] = ("vllm",)  # whose serving commands the output's README shows
     # writes vision-language models (the vision tower and projector excluded from quantization by pattern)
     multimodal = False
+    # writes transforms the engine applies at run time (an online rotation's matrices and their config)
+    online_transforms = False
 
     def __init__(self, directory: Path, source, recipe, options: ExportOptions):
         self.dir = Path(directory)

@@ -181,6 +181,15 @@ class Checkpoint:
         """Every tensor that is not part of a quantized weight, in HF names (norms, embeddings, biases, lm_head)."""
         raise NotImplementedError
 
+    def input_transforms(self) -> tuple[dict, list[str]]:
+        """module -> its online input transform the engine applies, and the problems with their config: none in a
+        format that has no such transforms."""
+        return {}, []
+
+    def input_rotation(self, module: str):
+        """The engine's run-time rotation of `module`'s input (an object with apply(x)), None without one."""
+        return None
+
     def dense_tensor(self, name: str) -> torch.Tensor:
         return self.tensor(name)
 

@@ -27,7 +27,7 @@ from qtk.errors import UsageError
 from qtk.export import register_reader, register_writer
 from qtk.export.base import Writer, expert_overrides, override_patterns
 from qtk.export.checkpoint import Checkpoint, config_scheme, expect_tensor
-from qtk.export.codecs import ct
+from qtk.export.codecs import ct, ct_transform
 from qtk.io.safetensors import ShardedWriter
 from qtk.plan.serving import kernel_family
 from qtk.quant.formats import format_for
@@ -84,6 +84,7 @@ class VLLMWriter(Writer):
     description = "compressed-tensors checkpoint"
     loads_in = "vLLM (`vllm serve DIR`), transformers + compressed-tensors"
     multimodal = True
+    online_transforms = True  # compressed-tensors transform_config: vLLM applies input rotations at run time
 
     def __init__(self, directory, source, recipe, options):
         super().__init__(directory, source, recipe, options)
@@ -98,6 +99,9 @@ class VLLMWriter(Writer):
         # writes it, which matches transformers' names and vLLM's alike
         self.routers += [f"re:.*{re.escape(m.rpartition('.')[2])}.*" for m in source.arch.multimodal]
         self.groups: dict[ModuleScheme, list[str]] = {}  # modules per scheme, as written
+        self.online: list[str] = []  # modules whose input the engine rotates (qtk.steps.rotate_online)
+        self.online_rotation: dict | None = None  # its RepeatedRotation JSON: one for the model, as vLLM keeps one
+        self.online_full = True  # the matrix is each rotated module's whole input (no head_dim in the config)
 
     @classmethod
     def check(cls, source, recipe, options):
@@ -162,11 +166,32 @@ class VLLMWriter(Writer):
             self.groups.setdefault(scheme, []).append(mod)
         for name, t in r.dense.items():
             self.shards.add(name, t)
+        self._add_online(r)
         self.ignored.extend(m for m in r.dense_linears if not matches(m, self.routers))
         if r.k_amax is not None:
             attn = f"{self.source.layer_prefix(r.index)}{self.source.arch.attn}"
             self.shards.add(f"{attn}.k_scale", kv_scale(r.k_amax))
             self.shards.add(f"{attn}.v_scale", kv_scale(r.v_amax))
+
+    def _add_online(self, r) -> None:
+        """The online rotation's matrix beside each module it applies to (the same ±1 matrix in every layer: vLLM
+        loads them into one shared tensor)."""
+        rec = r.records.get("rotate_online")
+        if rec is None or not rec.modules:
+            return
+        from qtk.quant.hadamard import RepeatedRotation
+
+        if self.online_rotation not in (None, rec.rotation):  # every layer's step builds it from the same params
+            raise AssertionError(f"layer {r.index}: online rotation {rec.rotation} differs from {self.online_rotation}")
+        self.online_rotation = rec.rotation
+        rot = RepeatedRotation.from_json(rec.rotation)
+        stored = rot.unit().stored(self.source.dtype)
+        group = ct_transform.group_for(rec.modules)
+        for rel in rec.modules:
+            mod = f"{self.source.layer_prefix(r.index)}{rel}"
+            self.shards.add(ct_transform.tensor_name(mod, group), stored)
+            self.online.append(mod)
+            self.online_full = self.online_full and self.source.shape(f"{mod}.weight")[1] == rot.block
 
     def config_group(self, scheme: ModuleScheme, targets: list[str]) -> dict:
         # GPTQ's static act-order changes only how the values were chosen: "weight" records it, nothing to decode
@@ -193,9 +218,16 @@ class VLLMWriter(Writer):
             "ignore": sorted({*self.ignored, *self.routers}),
             "kv_cache_scheme": dict(KV_SCHEME) if r.kv_cache is not None else None,
             "sparsity_config": {},
-            "transform_config": {},
+            "transform_config": self._transform_config(),
             "global_compression_ratio": None,
         }
+
+    def _transform_config(self) -> dict:
+        if not self.online:
+            return {}
+        block = int(self.online_rotation["block"])
+        # head_dim only where the matrix is smaller than some module's input (vLLM then repeats it over the blocks)
+        return ct_transform.transform_config(self.online, block, block if self.online_full else 0)
 
     def finish(self, manifest: dict) -> None:
         self.shards.close()
@@ -254,6 +286,20 @@ class CompressedTensorsCheckpoint(Checkpoint):
 
     def ignore_patterns(self) -> list[str]:
         return list(self.qconfig.get("ignore") or [])
+
+    def input_transforms(self) -> tuple[dict, list[str]]:
+        """module -> its online input transform (qtk.export.codecs.ct_transform.InputTransform) from the config's
+        transform_config, and the problems with that config."""
+        if not hasattr(self, "_transforms"):
+            self._transforms = ct_transform.input_transforms(self.qconfig.get("transform_config"), self.modules())
+        return self._transforms
+
+    def input_rotation(self, module: str):
+        """The engine's rotation of `module`'s input (read from its stored matrix), None without one."""
+        t = self.input_transforms()[0].get(module)
+        if t is None or not self.has(t.tensor):
+            return None
+        return ct_transform.DenseRotation(self.tensor(t.tensor), t.inverse)
 
     def _group_of(self, module: str):
         """(ModuleScheme, format) of a module by compressed-tensors' precedence; None when no target matches."""
@@ -332,8 +378,10 @@ class CompressedTensorsCheckpoint(Checkpoint):
 
     def dense_names(self) -> list[str]:
         qmods = set(self.modules())
+        transforms = {t.tensor for t in self.input_transforms()[0].values()}
         return [n for n in self.tensor_names()
-                if not n.endswith(QUANT_SUFFIXES) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)]
+                if not n.endswith(QUANT_SUFFIXES) and not (n.endswith(".weight") and n[: -len(".weight")] in qmods)
+                and n not in transforms]
 
 
 class _View(StoredView):

@@ -20,11 +20,16 @@ _registered = False
 
 
 class QLinear(torch.nn.Module):
-    """y = Q(x) @ dequant(W)^T + b, activations quantized as the engine does (per-token dynamic or static)."""
+    """y = Q(x) @ dequant(W)^T + b, activations quantized as the engine does (per-token dynamic or static).
+
+    input_rotation: an online transform the engine applies to the input before the quantized GEMM (an object with
+    apply(x), e.g. qtk.quant.hadamard.RepeatedRotation, or DenseRotation from a checkpoint's stored matrix), then
+    y = Q(x R) @ dequant(W)^T + b; its result is rounded to the input's dtype, as the engine's GEMM returns it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act: QuantScheme | None = None,
-                 input_scale: torch.Tensor | None = None):
+                 input_scale: torch.Tensor | None = None, input_rotation=None):
         super().__init__()
+        self.input_rotation = input_rotation
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.act = act
@@ -35,6 +40,8 @@ class QLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
             return self._fused[0](x, self._fused[1])
+        if self.input_rotation is not None:
+            x = self.input_rotation.apply(x).to(x.dtype)
         if self.act is not None:
             x = fake_quant_activation(x, self.act, self.input_scale)
         return F.linear(x, self.weight, self.bias)
@@ -68,7 +75,7 @@ class FusedGEMM:
         """One input quantization serves all: same scheme and the same static scale (or none)."""
         m0 = members[0]
         return len(members) > 1 and all(
-            m.act == m0.act and m.in_features == m0.in_features and m.weight.dtype == m0.weight.dtype
+            m.input_rotation is None and m.act == m0.act and m.in_features == m0.in_features and m.weight.dtype == m0.weight.dtype
             and ((m.input_scale is None and m0.input_scale is None)
                  or (m.input_scale is not None and m0.input_scale is not None and torch.equal(m.input_scale, m0.input_scale)))
             for m in members)
@@ -252,7 +259,8 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
         scheme = ckpt.scheme_for(m)
         act = scheme.engine_activations if (simulate_activations and scheme is not None) else None
         scale = ckpt.input_scale(m) if act is not None and act.has_static_scale else None
-        replace_module(model, m, QLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), act, scale))
+        replace_module(model, m, QLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), act, scale,
+                                         input_rotation=ckpt.input_rotation(m)))
     # a checkpoint of a family qtk does not convert is simulated module by module
     fuse_groups(model, modules, ckpt.arch.fusion_groups if ckpt.arch is not None else ())
     use_qtk_attention(model)

@@ -409,6 +409,24 @@ def _quantized_linear(spec: TensorSpec, scheme, dtype: str) -> list[DiskTensor]:
     return ts
 
 
+def _online_transform_tensors(s: ModelShape, recipe, dtype: str) -> list[DiskTensor]:
+    """The matrix an online rotation (rotate_online) stores beside every quantized down_proj it applies to
+    (qtk.export.codecs.ct_transform): [b, b] in the model dtype, b the rotation's block order."""
+    if recipe is None or s.experts:
+        return []
+    step = recipe.step("rotate_online")
+    if step is None:
+        return []
+    from qtk.export.codecs.ct_transform import group_for, tensor_name
+    from qtk.quant.hadamard import largest_block
+
+    b = step.params.block or largest_block(s.intermediate)
+    mods = [t.name for t in model_tensors(s) if t.role == "linear" and scheme_of(recipe, t.name) is not None
+            and (step.params.modules == "all" or t.name.endswith(".mlp.down_proj"))]
+    group = group_for(mods)
+    return [DiskTensor(tensor_name(m, group), (b, b), dtype, "dense") for m in mods]
+
+
 def unties_embeddings(recipe) -> bool:
     """Whether a step of `recipe` writes a tied model's lm_head as a tensor of its own (the rotation does, unless the
     final norm is all ones, which config.json does not say: counted as untied)."""
@@ -437,6 +455,7 @@ def checkpoint_tensors(s: ModelShape, recipe=None, dtype: str | None = None) -> 
         else:
             # routers stay dense: vLLM builds MoE gates without a quant method
             out.append(DiskTensor(spec.name, spec.shape, dtype, "dense", spec.count))
+    out.extend(_online_transform_tensors(s, recipe, dtype))
     if recipe is not None and recipe.kv_cache is not None:
         for i in range(s.layers):
             for k in ("k_scale", "v_scale"):

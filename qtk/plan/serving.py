@@ -279,6 +279,15 @@ class CpuSupport:
 def vllm_cpu_support(recipe, *, amx: bool = False) -> CpuSupport:
     """Whether vLLM's CPU backend runs a recipe's checkpoint (weights, activations and KV cache), and why not."""
     w, a, kv = recipe.weights, recipe.activations, recipe.kv_cache
+    if recipe.online_steps:
+        # vLLM 0.32 (compressed_tensors/transform/module.py HadamardTransform.forward): type hadamard calls the
+        # hadacore kernel, which its CPU build lacks; every other type multiplies through
+        # dispatch_unquantized_gemm(), whose CPU function calls layer.cpu_linear, set up only for Linears'
+        # unquantized weights, never for the transform module
+        return CpuSupport(False, "online transforms (compressed-tensors transform_config, qtk's rotate_online) have no "
+                                 "CPU path in vLLM: the dense transform GEMM calls a CPU linear the transform module "
+                                 "never sets up (HadamardTransform has no cpu_linear), and hadacore is a CUDA kernel",
+                          r"cpu_linear|hadacore")
     if kv is not None:
         kv_note = "; FP8 KV cache (AVX-512 or AMX; values truncated toward zero, not rounded)"
     else:

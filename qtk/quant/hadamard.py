@@ -280,3 +280,75 @@ class Rotation:
     @classmethod
     def from_json(cls, d) -> "Rotation":
         return cls(int(d["size"]), None if d.get("seed") is None else int(d["seed"]), int(d.get("block") or 0))
+
+
+@dataclass(frozen=True)
+class RepeatedRotation:
+    """One orthogonal R of order `inner.size` applied to each block of that many channels of a `size`-wide vector:
+    blockdiag(R, ..., R). This is the form an engine applies online (compressed-tensors' transforms take one matrix,
+    repeated over the blocks when its `head_dim` is smaller than the width), so a rotation written for run time is
+    one of these, never a Rotation whose random signs differ from block to block. inner.size == size: R itself."""
+
+    size: int
+    inner: Rotation
+
+    def __post_init__(self):
+        if self.size % self.inner.size:
+            raise ValueError(f"a rotation of order {self.inner.size} does not tile a width of {self.size}")
+        if not self.inner.full:
+            raise ValueError(f"the repeated rotation must be one Hadamard matrix, not {self.inner.describe()}")
+
+    @property
+    def block(self) -> int:
+        return self.inner.size
+
+    def apply(self, x: "torch.Tensor", transpose: bool = False) -> "torch.Tensor":
+        """x blockdiag(R, ...) over the last dimension (float64 out)."""
+        if x.shape[-1] != self.size:
+            raise ValueError(f"rotation of size {self.size} applied to a last dimension of {x.shape[-1]}")
+        lead = x.shape[:-1]
+        y = self.inner.apply(x.reshape(*lead, self.size // self.block, self.block), transpose)
+        return y.reshape(*lead, self.size)
+
+    def stored(self, dtype=None) -> "torch.Tensor":
+        """√b R: the ±1 matrix [b, b] a compressed-tensors Hadamard transform stores (the engine divides it by √b)."""
+        m = (self.inner.matrix() * math.sqrt(self.block)).round()
+        return m if dtype is None else m.to(dtype)
+
+    def describe(self) -> str:
+        inner = self.inner.describe()
+        return inner if self.block == self.size else f"{self.size // self.block} blocks of one {inner}"
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "block": self.block, "seed": self.inner.seed}
+
+    @classmethod
+    def from_json(cls, d) -> "RepeatedRotation":
+        block = int(d.get("block") or d["size"])
+        return cls(int(d["size"]), Rotation(block, None if d.get("seed") is None else int(d["seed"])))
+
+    def unit(self) -> "RepeatedRotation":
+        """The repeated matrix alone (size = block): what is stored, and what tiles any width it divides."""
+        return RepeatedRotation(self.block, self.inner)
+
+    def tiling(self, width: int) -> "RepeatedRotation":
+        """The same repeated matrix over another width (an input of `width` channels)."""
+        return RepeatedRotation(width, self.inner)
+
+    @classmethod
+    def for_width(cls, width: int, seed: int | None, block: int = 0) -> "RepeatedRotation":
+        """The online rotation of a `width`-wide input: one Hadamard of the whole width where one can be built (or of
+        `block`), else of the largest order that divides it and can be built, repeated."""
+        b = block or largest_block(width)
+        if width % b:
+            raise ValueError(f"block {b} does not divide the width {width}")
+        if construction(b) is None:
+            raise ValueError(f"no Hadamard matrix of order {b} is built here")
+        return cls(width, Rotation(b, seed))
+
+
+def orthogonality_error(m: "torch.Tensor") -> float:
+    """max |M Mᵀ / n − I| of a square ±1 (or any) matrix M [n, n], in float64: 0 for a Hadamard matrix."""
+    m = m.to(torch.float64)
+    n = m.shape[0]
+    return float((m @ m.T / n - torch.eye(n, dtype=torch.float64)).abs().max())

@@ -77,6 +77,8 @@ class StepParams:
 
     needs_data = False
     changes_frame = False
+    # part of the step is applied by the engine at run time (an online transform): only targets that can accept it
+    online = False
 
     def cost(self, model: ModelCost) -> StepCost:
         """A step that looks at data observes each layer's inputs once; override what it adds beyond that."""
@@ -306,6 +308,52 @@ class RotateParams(StepParams):
     def validate(self, where: str) -> None:
         if not 0 <= self.seed < 2**63:
             raise UsageError(f"{where}.seed: must be in [0, 2^63), got {self.seed}", "use e.g. 0")
+
+
+_FRAME = "both change down_proj's input frame (scales searched on one side of the rotation would fold into the other)"
+
+
+@declare_step("rotate_online", phase=Phase.TRANSFORM, title="online rotation",
+              conflicts={"awq": _FRAME, "smoothquant": _FRAME})
+@dataclass(frozen=True)
+class OnlineRotateParams(StepParams):
+    """An online Hadamard rotation (QuaRot / SpinQuant's R4) of down_proj's input: its weight is stored rotated
+    (W R), and the engine rotates the activation (x R) before the quantized GEMM, so x R (W R)ᵀ = x Wᵀ. The
+    activation entering down_proj (the MLP's gated product) has the widest outliers of a layer; rotated, each
+    group and each per-token scale sees flat values. Written as a compressed-tensors transform (`transform_config`,
+    type random-hadamard: the matrix itself is stored beside each down_proj, which vLLM loads and applies as a dense
+    GEMM); only targets whose engine applies it at run time accept it (vllm).
+
+    seed: the random ±1 signs of R (recorded in qtk.json); block: 0 for one Hadamard of the whole width (a
+    block-diagonal one where no construction reaches it), else the order of the blocks of a block-diagonal R (a
+    power of two such as 128 keeps the stored matrix and the run-time GEMM small). modules: "down_proj" (R4), or
+    "all": every quantized Linear's input rotated within blocks of `block` channels (the FP4 recipes' within-group
+    Hadamard of MR-GPTQ / FP-Quant with block = the group size; needs a block)."""
+
+    seed: int = 0
+    block: int = 0
+    modules: str = "down_proj"
+
+    needs_data = False
+    changes_frame = True
+    # the engine applies part of this step at run time: only writers that declare online_transforms accept it
+    online = True
+
+    def cost(self, model: ModelCost) -> StepCost:
+        """No data: down_proj's weight multiplied by R, counted as a dense GEMM of its width per row (an upper bound)."""
+        return StepCost(solve_flops=2.0 * model.widest * model.layer_params / 3 * model.layers)
+
+    def validate(self, where: str) -> None:
+        if not 0 <= self.seed < 2**63:
+            raise UsageError(f"{where}.seed: must be in [0, 2^63), got {self.seed}", "use e.g. 0")
+        if self.block < 0 or (self.block and self.block % 4 and self.block not in (1, 2)):
+            raise UsageError(f"{where}.block: must be 0 (the whole width) or a Hadamard order (1, 2 or a multiple of 4), "
+                             f"got {self.block}", "use 0, or a power of two such as 128")
+        if self.modules not in ("down_proj", "all"):
+            raise UsageError(f"{where}.modules: must be down_proj or all, got {self.modules!r}", "use modules: down_proj")
+        if self.modules == "all" and not self.block:
+            raise UsageError(f"{where}.modules: all rotates inputs of several widths, within blocks of one order",
+                             "set block, e.g. the weights' group size (16 for NVFP4)")
 
 
 def parse_step_params(name: str, raw: Any, where: str):

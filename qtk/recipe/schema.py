@@ -241,6 +241,13 @@ class Recipe:
         )
 
     @property
+    def online_steps(self) -> list[str]:
+        """The listed steps the engine applies part of at run time (an online rotation)."""
+        from qtk.recipe.params import STEP_PARAMS
+
+        return [s.name for s in self.algorithm if getattr(STEP_PARAMS[s.name], "online", False)]
+
+    @property
     def gptq_actorder(self) -> str | None:
         """The GPTQ step's activation ordering ("static" | "group"), None without GPTQ or ordering."""
         s = self.step("gptq")

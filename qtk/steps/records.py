@@ -134,6 +134,40 @@ class RotateRecord(StepRecord):
                               None if self.r2 is None else Rotation.from_json(self.r2), norms)
 
 
+@register_record
+@dataclass
+class OnlineRotateRecord(StepRecord):
+    """The online rotation of a layer (qtk.steps.rotate_online): the Linears whose inputs the engine rotates at run
+    time (relative names) and the rotation (qtk.quant.hadamard.RepeatedRotation's JSON: width, block, seed; the
+    width is the block when the modules' inputs differ), folded into their weights as W R: the block's matrix
+    repeated over each module's input."""
+
+    name = "rotate_online"
+    modules: list[str] = field(default_factory=list)
+    rotation: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        if not self.modules:
+            return {}
+        from qtk.quant.hadamard import RepeatedRotation
+
+        r = RepeatedRotation.from_json(self.rotation)
+        return {"modules": list(self.modules), "rotation": {"kind": "hadamard", **r.to_json(),
+                                                            "construction": r.describe()}}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "OnlineRotateRecord":
+        r = data.get("rotation") or {}
+        return cls(list(data.get("modules") or []), {k: r.get(k) for k in ("size", "block", "seed")})
+
+    def reframe(self, W, rel, arch):
+        if rel not in self.modules:
+            return W
+        from qtk.quant.hadamard import RepeatedRotation
+
+        return RepeatedRotation.from_json(self.rotation).tiling(W.shape[1]).apply(W).float()
+
+
 def _smoothed(W, rel: str, arch, scales: dict[str, list[float]]):
     """W in the frame of the smoothing scales folded into its layer ({prev: s}), as the fold applied them."""
     if not scales:

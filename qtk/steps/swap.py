@@ -18,7 +18,9 @@ def swap_in(layer, name: str, qt: QTensor, act: QuantScheme | None, amax: dict[s
     lin = layer.get_submodule(name)
     w_hat = engine_weight(qt).to(lin.weight.dtype)  # int: exact (dequantized in the model dtype), as the engine
     in_scale = static_scale(amax[name], act) if (act is not None and act.has_static_scale) else None
-    replace_module(layer, name, QLinear(w_hat, None if lin.bias is None else lin.bias.detach(), act, in_scale))
+    rotation = getattr(lin, "_qtk_input_rotation", None)  # an online rotation (qtk.steps.rotate_online) stays on
+    replace_module(layer, name, QLinear(w_hat, None if lin.bias is None else lin.bias.detach(), act, in_scale,
+                                        input_rotation=rotation))
     return w_hat
 
 

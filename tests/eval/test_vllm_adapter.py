@@ -54,6 +54,7 @@ class LLM:
         cfg = json.loads((Path(model) / "config.json").read_text())
         qc = cfg.get("quantization_config")
         self.max_logprobs = max_logprobs
+        self.fail_forward = (Path(model) / "FAIL_FORWARD").exists()
         self.hf = (HFEngine.candidate(open_checkpoint(model), load_tokenizer(Path(model)), device="cpu") if qc
                    else HFEngine.baseline(model, device="cpu"))
         kv = "fp8" if qc and qc.get("kv_cache_scheme") else "auto"
@@ -65,6 +66,8 @@ class LLM:
         return [fn(self.hf.model)]
 
     def generate(self, prompts, sp, use_tqdm=True):
+        if self.fail_forward:  # what vLLM 0.32's CPU build does with an online transform
+            raise AttributeError("'HadamardTransform' object has no attribute 'cpu_linear'")
         outs = []
         for p in prompts:
             ids = p["prompt_token_ids"]
@@ -160,6 +163,22 @@ def test_the_worker_survives_a_refusal_and_loads_the_next_checkpoint(stand_in, c
             assert lp.actual.shape == (4,) and lp.top_ix.shape == (4, 3) and (lp.top_lp[:, 0] >= lp.actual).all()
     finally:
         (ckpts["w8-kv8"] / "REFUSE").unlink()
+
+
+def test_a_checkpoint_that_fails_at_its_first_forward_is_a_refusal(stand_in, ckpts):
+    """vLLM loads it, then its first forward raises (online transforms on vLLM 0.32's CPU build): the engine check
+    reports a refusal naming vLLM's error, and the worker goes on to the next checkpoint."""
+    from qtk.eval.engine_check import compare
+
+    (ckpts["w8-kv8"] / "FAIL_FORWARD").write_text("")
+    try:
+        with VLLMProcess() as p:
+            c = compare(ckpts["w8-kv8"], [[1, 5, 6, 7, 8]], p)
+            assert c.status == "refused" and "first forward" in c.reason and "cpu_linear" in c.reason, c.reason
+            assert p.load(ckpts["int8-kv8"]).ok
+            assert p.logprobs([[1, 5, 6, 7, 8]], k=1).actual.shape == (4,)
+    finally:
+        (ckpts["w8-kv8"] / "FAIL_FORWARD").unlink()
 
 
 @pytest.mark.parametrize("how, said", [("sigill", "killed by SIGILL"), ("broken", "cannot be imported here")])

@@ -187,7 +187,20 @@ def _ct_meta_state(name: str, recipe):
         "ignore": list(recipe.ignore)})
     apply_quantization_config(model, qc)
     ModelCompressor(quantization_config=qc).compress_model(model)
-    return {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in model.named_parameters()}
+    step = recipe.step("rotate_online")
+    if step is not None:  # the online rotation's config as qtk writes it, laid out by compressed-tensors' transforms
+        from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+        from qtk.export.codecs.ct_transform import transform_config
+        from qtk.quant.hadamard import largest_block
+
+        width = model.config.intermediate_size
+        mods = [f"model.layers.{i}.mlp.down_proj" for i in range(model.config.num_hidden_layers)]
+        b = step.params.block or largest_block(width)
+        apply_transform_config(model, TransformConfig.model_validate(transform_config(mods, b, width)))
+    # a transform's matrix is one parameter shared by every module it applies to: each name is a tensor on disk
+    return {k: (tuple(v.shape), str(v.dtype).replace("torch.", ""))
+            for k, v in model.named_parameters(remove_duplicate=False)}
 
 
 # compressed-tensors' meta-device path leaves zero points unpacked, so asymmetric recipes are covered by
@@ -212,6 +225,10 @@ def test_checkpoint_layout_matches_compressed_tensors(name, recipe):
             # qtk writes fp8 weight scales and activation scales in float32 (docs/formats.md, vllm);
             # compressed-tensors initialises them in the model dtype
             assert mine[k][1] == "float32", k
+        elif k.endswith("_input.weight"):
+            # an online transform's ±1 matrix: exact in the model dtype, which qtk writes and vLLM loads it in
+            # (module.py: "load up in model's default precision"); compressed-tensors holds it at `precision`
+            assert (mine[k][1], dt) == (shape(name).dtype, "float32"), k
         else:
             assert mine[k][1] == dt, k
 
