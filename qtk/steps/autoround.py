@@ -178,6 +178,9 @@ def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learn
             loss.backward()
         del qw, y
         value = loss.detach().reshape(1)
+        for p in round_p + clip_p:  # a Linear no token reached (an MoE expert) has no gradient: it stays put
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if reducer.world_size > 1:  # every process steps on the gradient summed over all their batches
             value = reducer.sum_(value) / reducer.world_size
             for p in round_p + clip_p:
