@@ -45,8 +45,8 @@ class Learner:
     """One Linear's learned rounding: V, the clipping factors on each group's max (alpha) and min (beta), and the
     fake-quantized weight they give, differentiable in all three."""
 
-    def __init__(self, w: torch.Tensor, scheme, minmax: bool):
-        self.scheme, self.shape = scheme, w.shape
+    def __init__(self, w: torch.Tensor, scheme, minmax: bool, scale_dtype: torch.dtype | None = None):
+        self.scheme, self.shape, self.scale_dtype = scheme, w.shape, scale_dtype
         self.wg = grouped(w.detach().float(), scheme)  # [out, groups, group]
         self.xmin = self.wg.amin(-1, keepdim=True).clamp_max(0)
         self.xmax = self.wg.amax(-1, keepdim=True).clamp_min(0)
@@ -63,7 +63,9 @@ class Learner:
     def qdq(self) -> torch.Tensor:
         """The dequantized weight [out, in] under the current V and factors, as the format's integer grid computes
         it (symmetric: scale = amax / ((qmax - qmin) / 2); asymmetric: (max - min) / (qmax - qmin) with the zero
-        point round(qmin - min / scale)), in float32 without the storage rounding of the scale."""
+        point round(qmin - min / scale)), the scale rounded to its storage dtype as the checkpoint holds it (the
+        rounding passed through to the gradient), in float32: the codes near a rounding threshold, where signed
+        descent leaves many of them, are then decided by the scale the engine decodes with."""
         s = self.scheme
         hi, lo = self.xmax * self.alpha, self.xmin * self.beta
         if s.symmetric:
@@ -71,6 +73,8 @@ class Learner:
         else:
             scale = (hi - lo) / (s.qmax - s.qmin)
         scale = scale.clamp_min(_TINY)
+        if self.scale_dtype is not None:
+            scale = scale + (scale.to(self.scale_dtype).float() - scale).detach()
         q = self.wg / scale + self.v
         if s.symmetric:
             q = round_ste(q).clamp(s.qmin, s.qmax)
@@ -141,7 +145,10 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
     layer, batches = ctx.layer, ctx.batches
     names = list(ctx.targets)
     dtypes = {t: layer.get_submodule(t).weight.dtype for t in names}
-    learners = {t: Learner(ctx.weight(t).to(ctx.device), ctx.scheme(t).weights, params.minmax) for t in names}
+    learners = {}
+    for t in names:
+        s = ctx.scheme(t).weights
+        learners[t] = Learner(ctx.weight(t).to(ctx.device), s, params.minmax, format_for(s).scale_dtype(s, ctx.dtype))
     float_w = {t + ".weight": ctx.weight(t).to(dtypes[t]) for t in names}  # the transformed weights, if any
     keep = getattr(batches, "keep", lambda j, y: y)
     frozen = [p for p in layer.parameters() if p.requires_grad]
