@@ -79,7 +79,7 @@ def render(report: dict) -> str:
     s = report["settings"]
     lines = [f"{s['num_samples']} x {s['seq_len']} calibration token ids shared by every conversion (batches of "
              f"{s['batch_size']}); autoround with {s['iters']} iterations per layer (lr 1/iters); held-out perplexity "
-             f"over {report['perplexity_tokens']} tokens (unquantized: {report['unquantized_perplexity']:.3f}); "
+             f"over {report['perplexity_tokens']} tokens in windows of {s['ppl_seq_len']} (unquantized: {report['unquantized_perplexity']:.3f}); "
              f"`nice`, {s['threads']} threads on a shared 2-core machine (times are indicative).", "",
              "| recipe | held-out ppl | convert wall s | convert peak RSS MB | solver step s | solver step peak +RSS MB "
              "| layer output MSE, first -> kept (mean over layers) |", "|---|---|---|---|---|---|---|"]
@@ -118,6 +118,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ppl-tokens", type=int, default=4096)
+    ap.add_argument("--ppl-seq-len", type=int, default=512, help="held-out window length (the other tables' 512)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=HERE / "results" / "tmp" / "autoround")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "autoround.json")
@@ -140,13 +141,13 @@ def main():
     ids = calibration_ids(tok, load_texts(str(rm.TEXT / "calib.jsonl")), a.num_samples, a.seq_len, a.seed)
     ids_file = a.work / "calib-ids.pt"
     torch.save(ids, ids_file)
-    windows, _ = rm.heldout_windows(tok, a.ppl_tokens, a.seq_len)
+    windows, _ = rm.heldout_windows(tok, a.ppl_tokens, a.ppl_seq_len)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     base_ppl = rm.perplexity(base, windows)
     del base
     print(f"unquantized perplexity {base_ppl:.4f}", flush=True)
     settings = {"num_samples": a.num_samples, "seq_len": a.seq_len, "seed": a.seed, "batch_size": a.batch_size,
-                "iters": a.iters or 200, "threads": a.threads, "calib_ids_sha256_16": ids_hash(ids)}
+                "iters": a.iters or 200, "ppl_seq_len": a.ppl_seq_len, "threads": a.threads, "calib_ids_sha256_16": ids_hash(ids)}
     results = {}
     prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
     if prev.get("settings") == settings:

@@ -45,8 +45,9 @@ class Learner:
     """One Linear's learned rounding: V, the clipping factors on each group's max (alpha) and min (beta), and the
     fake-quantized weight they give, differentiable in all three."""
 
-    def __init__(self, w: torch.Tensor, scheme, minmax: bool, scale_dtype: torch.dtype | None = None):
-        self.scheme, self.shape, self.scale_dtype = scheme, w.shape, scale_dtype
+    def __init__(self, w: torch.Tensor, scheme, minmax: bool, scale_dtype: torch.dtype | None = None,
+                 quotient_dtype: torch.dtype | None = None):
+        self.scheme, self.shape, self.scale_dtype, self.half = scheme, w.shape, scale_dtype, quotient_dtype
         self.wg = grouped(w.detach().float(), scheme)  # [out, groups, group]
         self.xmin = self.wg.amin(-1, keepdim=True).clamp_max(0)
         self.xmax = self.wg.amax(-1, keepdim=True).clamp_min(0)
@@ -75,13 +76,18 @@ class Learner:
         scale = scale.clamp_min(_TINY)
         if self.scale_dtype is not None:
             scale = scale + (scale.to(self.scale_dtype).float() - scale).detach()
-        q = self.wg / scale + self.v
+        q = self._rounded(self.wg / scale + self.v)
         if s.symmetric:
             q = round_ste(q).clamp(s.qmin, s.qmax)
         else:
             zero = round_ste(s.qmin - lo / scale).clamp(s.qmin, s.qmax)
-            q = round_ste(q + zero).clamp(s.qmin, s.qmax) - zero
+            q = round_ste(self._rounded(q + zero)).clamp(s.qmin, s.qmax) - zero
         return (q * scale).reshape(self.shape)
+
+    def _rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded to the format's quotient dtype (a bf16 model's int quotients are bf16, as compressed-tensors
+        computes them: qtk.quant.formats.integer), passed through to the gradient; x itself for float32."""
+        return x if self.half is None else x + (x.to(self.half).float() - x).detach()
 
     def snapshot(self) -> tuple[torch.Tensor, ...]:
         return tuple(p.detach().clone() for p in (self.v, self.alpha, self.beta))
@@ -93,12 +99,13 @@ class Learner:
 
     def qtensor(self, dtype: torch.dtype) -> QTensor:
         """The QTensor through the format: scale and zero point of the clipped min / max (rounded to the scale's
-        storage dtype as the format does), codes the format's rounding of w + V·scale."""
+        storage dtype as the format does), codes the format's rounding of w + V·scale (its quotient in the model's
+        dtype, as qdq trained it)."""
         s = self.scheme
         fmt = format_for(s)
         with torch.no_grad():
             scale, zero = fmt.scale_zero(self.xmin * self.beta, self.xmax * self.alpha, s, fmt.scale_dtype(s, dtype))
-            q = fmt.quantize_grouped(self.wg + self.v * scale, scale, zero, s, None)
+            q = fmt.quantize_grouped(self.wg + self.v * scale, scale, zero, s, self.half)
             values = q.reshape(self.shape).to(fmt.storage_dtype(s))
         return QTensor(values, ungroup(scale, s), s, None if zero is None else ungroup(zero, s), None, dtype)
 
@@ -148,7 +155,9 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
     learners = {}
     for t in names:
         s = ctx.scheme(t).weights
-        learners[t] = Learner(ctx.weight(t).to(ctx.device), s, params.minmax, format_for(s).scale_dtype(s, ctx.dtype))
+        fmt = format_for(s)
+        learners[t] = Learner(ctx.weight(t).to(ctx.device), s, params.minmax, fmt.scale_dtype(s, ctx.dtype),
+                              fmt.quotient_dtype(ctx.dtype))
     float_w = {t + ".weight": ctx.weight(t).to(dtypes[t]) for t in names}  # the transformed weights, if any
     keep = getattr(batches, "keep", lambda j, y: y)
     frozen = [p for p in layer.parameters() if p.requires_grad]

@@ -69,12 +69,12 @@ def layer_batches(model, ids):
     return seen
 
 
-def solved_outputs(layer, i, source, recipe, batches, step, params):
+def solved_outputs(layer, i, source, recipe, batches, step, params, dtype=torch.float32):
     """The layer's outputs on its batches once `step` solved its weights and the engine's view is swapped in, and
-    the step's QTensors and record."""
+    the step's QTensors and record (dtype: the model's, which scales and int quotients are rounded to)."""
     layer = copy.deepcopy(layer)
     arch = source.arch.at(i)
-    ctx = LayerContext(i, source.layer_prefix(i), layer, arch, recipe, list(arch.linears), batches, torch.float32)
+    ctx = LayerContext(i, source.layer_prefix(i), layer, arch, recipe, list(arch.linears), batches, dtype)
     record = step(ctx, params)
     for t, qt in ctx.qweights.items():
         swap_in(layer, t, qt, None, {})
@@ -107,20 +107,22 @@ def test_autoround_lowers_every_layers_output_error_below_rtn(fp32_model, weight
         assert mse(ar_out) < 0.8 * mse(rtn_out), (i, mse(ar_out), mse(rtn_out))
 
 
-def test_with_nothing_learned_it_writes_rtns_codes_and_scales(fp32_model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_nothing_learned_it_writes_rtns_codes_and_scales(fp32_model, tiny_llama, dtype):
     """One iteration keeps the starting point (V = 0, factors 1: the loss of iteration 0 is the lowest seen), whose
-    QTensors must be exactly round-to-nearest's with min-max scales: the learned ones go through the same format
-    arithmetic."""
+    QTensors must be exactly round-to-nearest's with min-max scales, for a float32 model and a bf16 one (whose scales
+    and int quotients are rounded to bf16): the learned ones go through the same format arithmetic."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(fp32_model), dtype=torch.float32).eval()
-    source = ModelSource(fp32_model)
+    src = fp32_model if dtype == torch.float32 else tiny_llama
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    source = ModelSource(src)
     for weights in (INT4_G32, INT4_G32_ASYM, INT8_CHANNEL):
         recipe = parse_recipe(yaml.safe_load(recipe_text(weights)), "", "ar")
         batches = layer_batches(model, IDS)[0]
         layer = model.model.layers[0]
-        _, want, _ = solved_outputs(layer, 0, source, recipe, batches, rtn.run, RTNParams())
-        _, got, rec = solved_outputs(layer, 0, source, recipe, batches, autoround.run, AutoRoundParams(iters=1))
+        _, want, _ = solved_outputs(layer, 0, source, recipe, batches, rtn.run, RTNParams(), dtype)
+        _, got, rec = solved_outputs(layer, 0, source, recipe, batches, autoround.run, AutoRoundParams(iters=1), dtype)
         assert rec.best_iter == 0
         for t in want:
             assert torch.equal(got[t].values, want[t].values), (weights, t)
