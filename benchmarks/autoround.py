@@ -93,7 +93,8 @@ def render(report: dict) -> str:
             first = sum(v["initial"] for v in ls.values()) / len(ls)
             best = sum(v["best"] for v in ls.values()) / len(ls)
             mse = f"{first:.4g} -> {best:.4g}"
-        lines.append(f"| `{name}`{group} | {e['perplexity']:.3f} | {e['wall_s']:.0f} | {e['peak_rss_mb']:.0f} | "
+        label = f"{e['peer']} (peer){group}" if e.get("peer") else f"`{name}`{group}"
+        lines.append(f"| {label} | {e['perplexity']:.3f} | {e['wall_s']:.0f} | {e['peak_rss_mb']:.0f} | "
                      f"{'—' if solver is None else format(st[solver]['s'], '.1f') + f' ({solver})'} | "
                      f"{'—' if solver is None else format(st[solver]['peak_extra_rss_mb'], '.0f')} | {mse} |")
     return "\n".join(lines)
@@ -111,7 +112,7 @@ def write_doc(table: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES), help="none with --peer-python: the peer alone")
     ap.add_argument("--iters", type=int, default=None, help="the autoround step's iterations (default: the recipe's)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--num-samples", type=int, default=16)
@@ -120,6 +121,9 @@ def main():
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--ppl-seq-len", type=int, default=512, help="held-out window length (the other tables' 512)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-python", type=Path, default=None,
+                    help="a python with PyPI auto-round installed (a throwaway venv): also run intel/auto-round itself "
+                         "on the same ids (benchmarks/_autoround_peer.py)")
     ap.add_argument("--work", type=Path, default=HERE / "results" / "tmp" / "autoround")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "autoround.json")
     a = ap.parse_args()
@@ -129,7 +133,6 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qtk.calib import calibration_ids, ids_hash, load_texts
-    from qtk.convert.manifest import versions
 
     torch.set_num_threads(a.threads)
     model = rm._load_script("real_model").real_model_dir()
@@ -152,7 +155,13 @@ def main():
     prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
     if prev.get("settings") == settings:
         results = dict(prev.get("recipes", {}))  # entries of recipes not run this time are kept
-    for name in a.recipes:
+    runs = [*a.recipes, *(["auto-round (peer)"] if a.peer_python else [])]
+    for name in runs:
+        if name == "auto-round (peer)":
+            results[name] = run_peer(a, model, ids_file, in_features, windows)
+            print(name, results[name], flush=True)
+            save(a, results, settings, model, windows, base_ppl)
+            continue
         doc = with_iters(rm.qtk_recipe_doc(name, in_features), a.iters)
         out = a.work / name
         rfile = a.work / f"{name}.recipe.json"
@@ -169,15 +178,48 @@ def main():
                          "group_size": doc["weights"].get("group_size"), "steps": steps,
                          "algorithm": doc["algorithm"], **({"layer_losses": losses(out)} if "autoround" in steps else {})}
         print(name, {k: v for k, v in results[name].items() if k != "layer_losses"}, flush=True)
-        report = {"benchmark": "benchmarks/autoround.py",
-                  "command": " ".join(["nice", ".venv/bin/python", "benchmarks/autoround.py", *sys.argv[1:]]),
-                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions(),
-                  "machine": {"cpus": os.cpu_count(), "loadavg_1_5_15_now": [round(x, 2) for x in os.getloadavg()]},
-                  "model": {"name": "SmolLM2-135M-Instruct", **vsl.shape_of(model)}, "settings": settings,
-                  "perplexity_tokens": windows.numel() - len(windows),
-                  "unquantized_perplexity": round(base_ppl, 4), "recipes": results}
-        a.json.write_text(json.dumps(report, indent=2) + "\n")
-        write_doc(render(report))
+        save(a, results, settings, model, windows, base_ppl)
+
+
+def run_peer(a, model: Path, ids_file: Path, in_features, windows) -> dict:
+    """intel/auto-round on the same ids, W4A16 symmetric with the recipe's group size, the same iterations and
+    batch: its compressed-tensors output read by qtk's reader and simulated for the same perplexity."""
+    import subprocess
+
+    doc = rm.qtk_recipe_doc("w4a16-autoround", in_features)
+    out = a.work / "auto-round-peer"
+    shutil.rmtree(out, ignore_errors=True)
+    version = subprocess.run([str(a.peer_python), "-c", "import auto_round; print(auto_round.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    wall, rss = vsl.run_measured([str(a.peer_python), str(HERE / "_autoround_peer.py"), "--model", str(model),
+                                  "--ids", str(ids_file), "--out", str(out), "--iters", str(a.iters or 200),
+                                  "--group-size", str(doc["weights"]["group_size"]), "--batch-size", str(a.batch_size),
+                                  "--threads", str(a.threads)], a.work / "auto-round-peer.log")
+    ck = out / "vllm"
+    if not (ck / "config.json").is_file():  # auto-round saves under a subdirectory named after the model
+        ck = next(d for d in ck.iterdir() if (d / "config.json").is_file())
+    t = json.loads((out / "timings.json").read_text())
+    return {"perplexity": round(rm.checkpoint_ppl(ck, windows), 4), "wall_s": round(wall, 1),
+            "peak_rss_mb": round(rss / 1e6), "group_size": doc["weights"]["group_size"],
+            "steps": {}, "peer": f"intel/auto-round {version}", "in_process_s": round(t["total_in_process"], 1)}
+
+
+def save(a, results: dict, settings: dict, model: Path, windows, base_ppl: float) -> None:
+    """The JSON report and the table in docs/real-model.md, after each recipe."""
+    from qtk.convert.manifest import versions
+
+    prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
+    if prev.get("settings") == settings:  # what another run with the same settings wrote meanwhile is kept
+        results = {**prev.get("recipes", {}), **results}
+    report = {"benchmark": "benchmarks/autoround.py",
+              "command": " ".join(["nice", ".venv/bin/python", "benchmarks/autoround.py", *sys.argv[1:]]),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions(),
+              "machine": {"cpus": os.cpu_count(), "loadavg_1_5_15_now": [round(x, 2) for x in os.getloadavg()]},
+              "model": {"name": "SmolLM2-135M-Instruct", **vsl.shape_of(model)}, "settings": settings,
+              "perplexity_tokens": windows.numel() - len(windows),
+              "unquantized_perplexity": round(base_ppl, 4), "recipes": results}
+    a.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_doc(render(report))
 
 
 if __name__ == "__main__":
