@@ -78,6 +78,9 @@ class StepParams:
 
     needs_data = False
     changes_frame = False
+    # the step repeats forward and backward passes of every layer (AutoRound): `qtk plan --recommend` ranks its recipe
+    # after a one-pass solver's of the same class, whose conversion costs a fraction of it
+    iterative = False
 
     def cost(self, model: ModelCost) -> StepCost:
         """A step that looks at data observes each layer's inputs once; override what it adds beyond that."""
@@ -94,7 +97,7 @@ def declare_step(name: str, *, phase: Phase, solver: bool = False, conflicts: Ma
     not list together. title: how messages name it."""
 
     def deco(cls):
-        for attr in ("needs_data", "changes_frame", "cost"):  # what a class that is no StepParams leaves out
+        for attr in ("needs_data", "changes_frame", "iterative", "cost"):  # what a class that is no StepParams leaves out
             if not hasattr(cls, attr):
                 setattr(cls, attr, getattr(StepParams, attr))
         cls.step_name = name
@@ -333,6 +336,7 @@ class AutoRoundParams(StepParams):
     seed: int = 0
 
     needs_data = True
+    iterative = True
 
     @property
     def step_lr(self) -> float:
