@@ -239,3 +239,15 @@ def test_resume_after_a_kill_gives_the_same_bytes(calib_file, tmp_path):
         return got, m["stats"]["algorithm"]
 
     assert files(out / "vllm") == files(tmp_path / "ref" / "vllm")
+
+
+def test_qtk_tune_refuses_an_autoround_candidate_rather_than_dropping_its_solver():
+    """qtk tune's mixed recipe is solved by rtn or gptq: an autoround candidate would silently lose its solver."""
+    from qtk.errors import UsageError
+    from qtk.tune.search import load_candidates
+
+    with pytest.raises(UsageError) as e:
+        load_candidates(["w4a16-autoround", "w8a16", "bf16"])
+    assert str(e.value) == ("candidate w4a16-autoround is solved by autoround; qtk tune mixes schemes solved by rtn or "
+                            "gptq — drop w4a16-autoround from --candidates or use its rtn/gptq variant (e.g. w4a16-gptq)")
+    assert e.value.exit_code == 2
