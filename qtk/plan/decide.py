@@ -41,6 +41,7 @@ class RecipeClass:
     kv8: bool
     weight_only: bool
     calibrated: str | None  # the first step that looks at calibration data (its needs_data), None for round-to-nearest
+    iterative: bool  # a step repeats passes over every layer (AutoRound): ranked after a one-pass solver of its class
     granularity: int
     symmetric: bool
     static_activations: bool
@@ -59,6 +60,7 @@ class RecipeClass:
             kv8=recipe.kv_cache is not None,
             weight_only=cores.weight_only,
             calibrated=next((s for s in recipe.step_names if STEP_PARAMS[s].needs_data), None),
+            iterative=any(STEP_PARAMS[s].iterative for s in recipe.step_names),
             granularity=GRANULARITY.get(w.strategy, 3),
             symmetric=w.symmetric,
             static_activations=recipe.static_activations,
@@ -73,7 +75,7 @@ class RecipeClass:
         """Within a tier (same memory class), smaller is better."""
         # float weights (FP8, FP4) run natively where they are allowed at all, and keep more precision than int
         return (0 if (self.fp8 or self.fp4) and not self.w4a8 else 1, 0 if self.calibrated else 1, 0 if self.weight_only else 1,
-                self.granularity, 0 if self.symmetric else 1, 1 if self.static_activations else 0)
+                self.granularity, 0 if self.symmetric else 1, 1 if self.static_activations else 0, int(self.iterative))
 
 
 def w4a8_excluded(kind: str | None, gpu) -> str | None:

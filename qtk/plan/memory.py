@@ -680,7 +680,7 @@ def model_cost(s: ModelShape, recipe, num_samples: int | None = None, seq_len: i
     n = num_samples or recipe.calibration.num_samples
     t = seq_len or recipe.calibration.seq_len
     return ModelCost(layers=max(s.layers, 1), layer_params=sum(x.numel for x in lin) / max(s.layers, 1), tokens=n * t,
-                     groups=tuple(groups.values()), widest=max((x.shape[1] for x in lin), default=0))
+                     groups=tuple(groups.values()), widest=max((x.shape[1] for x in lin), default=0), samples=n)
 
 
 def step_costs(s: ModelShape, recipe, num_samples: int | None = None, seq_len: int | None = None) -> list:

@@ -52,6 +52,7 @@ class ModelCost:
     tokens: int
     groups: tuple[InputGroup, ...]
     widest: int
+    samples: int = 1  # calibration windows the tokens are in
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class StepParams:
     changes_frame = False
     # part of the step is applied by the engine at run time (an online transform): only targets that can accept it
     online = False
+    # the step repeats forward and backward passes of every layer (AutoRound): `qtk plan --recommend` ranks its recipe
+    # after a one-pass solver's of the same class, whose conversion costs a fraction of it
+    iterative = False
 
     def cost(self, model: ModelCost) -> StepCost:
         """A step that looks at data observes each layer's inputs once; override what it adds beyond that."""
@@ -95,7 +99,7 @@ def declare_step(name: str, *, phase: Phase, solver: bool = False, conflicts: Ma
     not list together. title: how messages name it."""
 
     def deco(cls):
-        for attr in ("needs_data", "changes_frame", "cost"):  # what a class that is no StepParams leaves out
+        for attr in ("needs_data", "changes_frame", "iterative", "cost"):  # what a class that is no StepParams leaves out
             if not hasattr(cls, attr):
                 setattr(cls, attr, getattr(StepParams, attr))
         cls.step_name = name
@@ -354,6 +358,72 @@ class OnlineRotateParams(StepParams):
         if self.modules == "all" and not self.block:
             raise UsageError(f"{where}.modules: all rotates inputs of several widths, within blocks of one order",
                              "set block, e.g. the weights' group size (16 for NVFP4)")
+
+
+@declare_step("autoround", phase=Phase.SOLVE, solver=True, title="AutoRound",
+              conflicts={"gptq": "both solve the rounding of the same weights", "awq": "AWQ's clipped weights "
+                         "round to nearest, AutoRound learns its own clipping"})
+@dataclass(frozen=True)
+class AutoRoundParams(StepParams):
+    """AutoRound / SignRound (Cheng et al., 2023; intel/auto-round): per decoder layer, a rounding offset V in
+    [-0.5, 0.5] for every weight element and a factor in [0.5, 1] on each group's max and min (the clipping), learned
+    by signed gradient descent (each step moves every parameter by lr · sign(gradient), lr decaying linearly to 0)
+    to minimise the MSE between the layer's outputs with the quantized weights and with the float ones, on the
+    calibration inputs; the lowest loss seen is kept. One calibration batch (convert --batch-size windows, 8 by
+    default as auto-round's batch_size) per step, drawn in a seeded random order.
+
+    iters: signed-gradient steps per layer (auto-round's default 200). lr: the rounding offsets' step (0: 1/iters,
+    auto-round's default); minmax_lr: the clipping factors' (0: lr). minmax: learn the clipping factors too
+    (auto-round's enable_minmax_tuning). seed: the order the batches are drawn in. Int weights per channel or group,
+    weight-only (W4A16, W8A16, symmetric or not)."""
+
+    iters: int = 200
+    lr: float = 0.0
+    minmax_lr: float = 0.0
+    minmax: bool = True
+    seed: int = 0
+
+    needs_data = True
+    iterative = True
+
+    @property
+    def step_lr(self) -> float:
+        return self.lr if self.lr > 0 else 1.0 / self.iters
+
+    @property
+    def clip_lr(self) -> float:
+        return self.minmax_lr if self.minmax_lr > 0 else self.step_lr
+
+    def cost(self, model: ModelCost) -> StepCost:
+        """One forward of each layer for its float outputs (the loss's target), kept beside its inputs; then iters
+        forward and backward passes (about 3 forwards' FLOPs) over one calibration batch (convert's default
+        --batch-size, 8 windows)."""
+        batch_tokens = model.tokens * min(8, model.samples) // max(model.samples, 1)
+        return StepCost(input_passes=1, forward_flops=self.iters * 3 * 2 * model.layer_params * batch_tokens * model.layers,
+                        memory=model.tokens * model.widest * 4, memory_key="autoround_outputs",
+                        memory_label="AutoRound float outputs",
+                        memory_note="AutoRound: the layer's float outputs on every calibration window, the loss's target")
+
+    def validate(self, where: str) -> None:
+        if not 0 < self.iters <= 100_000:
+            raise UsageError(f"{where}.iters: must be in 1..100000, got {self.iters}", "use e.g. 200 (auto-round's default)")
+        if not 0 <= self.lr <= 1:
+            raise UsageError(f"{where}.lr: must be in [0, 1] (0: 1/iters), got {self.lr}", "use e.g. 0.005 or 0 for 1/iters")
+        if not 0 <= self.minmax_lr <= 1:
+            raise UsageError(f"{where}.minmax_lr: must be in [0, 1] (0: lr), got {self.minmax_lr}", "use e.g. 0.005 or 0 for lr")
+        if not 0 <= self.seed < 2**63:
+            raise UsageError(f"{where}.seed: must be in [0, 2^63), got {self.seed}", "use e.g. 0")
+
+    def check_recipe(self, recipe, origin: str) -> None:
+        """Int weights per channel or group without activation quantization, in every scheme of the recipe."""
+        for m in recipe.schemes:
+            w = m.weights
+            if w.type != "int" or w.scale_dtype is not None or w.strategy not in ("channel", "group"):
+                raise UsageError(f"{origin}: autoround learns int weights per channel or group, not {w.describe()}",
+                                 "use w4a16-autoround as a template (int4 groups), or gptq for FP4 (nvfp4-gptq)")
+            if m.activations is not None:
+                raise UsageError(f"{origin}: autoround solves weight-only schemes, but activations are quantized "
+                                 f"({m.activations.describe()})", "drop activations (W4A16 / W8A16) or use gptq")
 
 
 def parse_step_params(name: str, raw: Any, where: str):

@@ -324,9 +324,14 @@ def parse_recipe(doc: Any, text: str = "", origin: str = "recipe") -> Recipe:
     _check_pair(weights, activations, origin)
     overrides = _parse_overrides(doc.get("overrides"), activations, origin)
     description = typed(doc, "description", str, origin, "") or ""
-    return Recipe(name=name, description=description.strip(), weights=weights, activations=activations,
-                  kv_cache=kv_cache, algorithm=tuple(steps), ignore=tuple(ignore), calibration=calibration,
-                  overrides=overrides, text=text)
+    recipe = Recipe(name=name, description=description.strip(), weights=weights, activations=activations,
+                    kv_cache=kv_cache, algorithm=tuple(steps), ignore=tuple(ignore), calibration=calibration,
+                    overrides=overrides, text=text)
+    for s in steps:  # a step that solves only some schemes refuses the others before any work (autoround: int)
+        check = getattr(s.params, "check_recipe", None)
+        if check is not None:
+            check(recipe, origin)
+    return recipe
 
 
 def _check_pair(weights: QuantScheme, activations: QuantScheme | None, where: str) -> None:

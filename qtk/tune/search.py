@@ -57,6 +57,10 @@ def load_candidates(names: list[str], gpu=None) -> CandidateSet:
         if other:
             raise UsageError(f"candidate {name} runs {', '.join(other)}, which transforms the whole layer; qtk tune "
                              "mixes schemes solved by rtn or gptq", f"drop {name} from --candidates or use its rtn/gptq variant")
+        solvers = [s.name for s in r.algorithm if s.name not in ("rtn", "gptq")]
+        if solvers:  # its solver would otherwise be dropped silently: the tuned recipe rounds with rtn or gptq
+            raise UsageError(f"candidate {name} is solved by {', '.join(solvers)}; qtk tune mixes schemes solved by rtn "
+                             "or gptq", f"drop {name} from --candidates or use its rtn/gptq variant (e.g. w4a16-gptq)")
         if gpu is not None and r.weights.type == "float" and not gpu.fp8:
             notes.append(f"{name} dropped: {gpu.label} has no FP8 tensor cores")
             continue

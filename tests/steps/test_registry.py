@@ -41,7 +41,7 @@ def test_static_activations_are_observed_after_smoothing_and_before_solving():
 
 
 @pytest.mark.parametrize("steps,problem", [
-    (["smoothquant"], "must end with exactly one of rtn, gptq, awq (got ['smoothquant'])"),
+    (["smoothquant"], "must end with exactly one of rtn, gptq, awq, autoround (got ['smoothquant'])"),
     (["gptq", "rtn"], "must end with exactly one of rtn, gptq, awq"),
     (["awq", "gptq"], "must end with exactly one of rtn, gptq, awq"),
     (["smoothquant", "awq"], "awq and smoothquant both rescale the same channels"),

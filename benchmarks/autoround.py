@@ -1,0 +1,229 @@
+"""AutoRound (the `autoround` step) on the real model: held-out perplexity of w4a16-autoround next to w4a16-gptq and
+round-to-nearest (w4a16), converted from the same calibration token ids, and what the autoround step costs next to
+GPTQ's step (time and peak memory, per step, summed over the layers).
+
+    QTK_REAL_MODEL_DIR=... nice .venv/bin/python benchmarks/autoround.py [--recipes w4a16 w4a16-gptq w4a16-autoround]
+        [--iters 200] [--batch-size 8] [--num-samples 16] [--seq-len 512]
+
+Model, texts, calibration ids, group sizes (64 for int4: 128 does not divide hidden 576) and the perplexity method
+are benchmarks/real_model.py's (held-out perplexity through qtk's reader and simulated model, fp32); the measured
+child processes and per-step timing (seconds, peak extra RSS) are benchmarks/rotation.py's. --iters overrides the
+autoround step's iterations (its learning rate stays 1/iters, auto-round's rule); --batch-size is the conversion's
+calibration batch, which is also AutoRound's batch per step (auto-round's default 8). On the shared 2-core machine
+the defaults (200 iterations of 8 windows per layer) take hours: the reduced settings used are in the JSON and in
+docs/real-model.md. Output: benchmarks/results/autoround.json and the table in docs/real-model.md between its
+autoround markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import real_model as rm  # noqa: E402  (model, texts, recipes' group sizes, perplexity)
+import rotation as rot  # noqa: E402  (per-step timing)
+import vs_llmcompressor as vsl  # noqa: E402  (measured child processes)
+
+DOC = ROOT / "docs" / "real-model.md"
+RECIPES = ("w4a16", "w4a16-gptq", "w4a16-autoround")
+
+
+def child(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="autoround.py _qtk")
+    for k in ("--model", "--ids", "--recipe", "--out", "--batch-size"):
+        ap.add_argument(k, required=True)
+    a = ap.parse_args(argv)
+    import torch
+
+    from qtk.api import convert
+    from qtk.recipe import parse_recipe
+
+    steps = rot.timed_steps()
+    doc = json.loads(Path(a.recipe).read_text())
+    recipe = parse_recipe(doc, json.dumps(doc), doc["name"])
+    ids = torch.load(a.ids, weights_only=True)
+    t0 = time.perf_counter()
+    res = convert(a.model, recipe, a.out, targets=["vllm"], calib_ids=ids if recipe.needs_calibration else None,
+                  hash_source=False, batch_size=int(a.batch_size))
+    (Path(a.out) / "timings.json").write_text(json.dumps({**res.timings, "total_in_process": time.perf_counter() - t0,
+                                                           "steps": steps}))
+
+
+def with_iters(doc: dict, iters: int | None) -> dict:
+    """The recipe with the autoround step's iterations set (lr then 1/iters, as the step's default)."""
+    if iters is None:
+        return doc
+    algo = [{"autoround": {**s["autoround"], "iters": iters}} if isinstance(s, dict) and "autoround" in s else s
+            for s in doc["algorithm"]]
+    return {**doc, "algorithm": algo}
+
+
+def losses(out: Path) -> dict:
+    """Per layer, the autoround record's first and kept loss, from the checkpoint's qtk.json."""
+    m = json.loads((out / "vllm" / "qtk.json").read_text())
+    recs = {k: v["autoround"] for k, v in m["stats"]["algorithm"].items() if "autoround" in v}
+    return {k: {"initial": round(v["initial_loss"], 6), "best": round(v["best_loss"], 6), "best_iter": v["best_iter"]}
+            for k, v in sorted(recs.items(), key=lambda kv: int(kv[0]))}
+
+
+def render(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"{s['num_samples']} x {s['seq_len']} calibration token ids shared by every conversion (batches of "
+             f"{s['batch_size']}); autoround with {s['iters']} iterations per layer (lr 1/iters); held-out perplexity "
+             f"over {report['perplexity_tokens']} tokens in windows of {s['ppl_seq_len']} (unquantized: {report['unquantized_perplexity']:.3f}); "
+             f"`nice`, {s['threads']} threads on a shared 2-core machine (times are indicative).", "",
+             "| recipe | held-out ppl | convert wall s | convert peak RSS MB | solver step s | solver step peak +RSS MB "
+             "| layer output MSE, first -> kept (mean over layers) |", "|---|---|---|---|---|---|---|"]
+    for name, e in report["recipes"].items():
+        st = e.get("steps", {})
+        solver = next((n for n in ("autoround", "gptq", "rtn") if n in st), None)
+        group = f" (group {e['group_size']})" if e.get("group_size") else ""
+        ls = e.get("layer_losses")
+        mse = "—"
+        if ls:
+            first = sum(v["initial"] for v in ls.values()) / len(ls)
+            best = sum(v["best"] for v in ls.values()) / len(ls)
+            mse = f"{first:.4g} -> {best:.4g}"
+        label = f"{e['peer']} (peer){group}" if e.get("peer") else f"`{name}`{group}"
+        lines.append(f"| {label} | {e['perplexity']:.3f} | {e['wall_s']:.0f} | {e['peak_rss_mb']:.0f} | "
+                     f"{'—' if solver is None else format(st[solver]['s'], '.1f') + f' ({solver})'} | "
+                     f"{'—' if solver is None else format(st[solver]['peak_extra_rss_mb'], '.0f')} | {mse} |")
+    return "\n".join(lines)
+
+
+def write_doc(table: str) -> None:
+    start, end = "<!-- autoround:start -->", "<!-- autoround:end -->"
+    text = DOC.read_text()
+    if start not in text:
+        text += f"\n{start}\n{end}\n"
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    DOC.write_text(f"{head}{start}\n\n{table}\n\n{end}{tail}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES), help="none with --peer-python: the peer alone")
+    ap.add_argument("--iters", type=int, default=None, help="the autoround step's iterations (default: the recipe's)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--num-samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ppl-tokens", type=int, default=4096)
+    ap.add_argument("--ppl-seq-len", type=int, default=512, help="held-out window length (the other tables' 512)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-python", type=Path, default=None,
+                    help="a python with PyPI auto-round installed (a throwaway venv): also run intel/auto-round itself "
+                         "on the same ids (benchmarks/_autoround_peer.py)")
+    ap.add_argument("--work", type=Path, default=HERE / "results" / "tmp" / "autoround")
+    ap.add_argument("--json", type=Path, default=HERE / "results" / "autoround.json")
+    a = ap.parse_args()
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[k] = str(a.threads)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qtk.calib import calibration_ids, ids_hash, load_texts
+
+    torch.set_num_threads(a.threads)
+    model = rm._load_script("real_model").real_model_dir()
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    in_features = sorted({cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"] * head_dim})
+    tok = AutoTokenizer.from_pretrained(model)
+    a.work.mkdir(parents=True, exist_ok=True)
+    ids = calibration_ids(tok, load_texts(str(rm.TEXT / "calib.jsonl")), a.num_samples, a.seq_len, a.seed)
+    ids_file = a.work / "calib-ids.pt"
+    torch.save(ids, ids_file)
+    windows, _ = rm.heldout_windows(tok, a.ppl_tokens, a.ppl_seq_len)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    base_ppl = rm.perplexity(base, windows)
+    del base
+    print(f"unquantized perplexity {base_ppl:.4f}", flush=True)
+    settings = {"num_samples": a.num_samples, "seq_len": a.seq_len, "seed": a.seed, "batch_size": a.batch_size,
+                "iters": a.iters or 200, "ppl_seq_len": a.ppl_seq_len, "threads": a.threads, "calib_ids_sha256_16": ids_hash(ids)}
+    results = {}
+    prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
+    if prev.get("settings") == settings:
+        results = dict(prev.get("recipes", {}))  # entries of recipes not run this time are kept
+    runs = [*a.recipes, *(["auto-round (peer)"] if a.peer_python else [])]
+    for name in runs:
+        if name == "auto-round (peer)":
+            results[name] = run_peer(a, model, ids_file, in_features, windows)
+            print(name, results[name], flush=True)
+            save(a, results, settings, model, windows, base_ppl)
+            continue
+        doc = with_iters(rm.qtk_recipe_doc(name, in_features), a.iters)
+        out = a.work / name
+        rfile = a.work / f"{name}.recipe.json"
+        rfile.write_text(json.dumps(doc))
+        shutil.rmtree(out, ignore_errors=True)
+        wall, rss = vsl.run_measured([sys.executable, str(Path(__file__).resolve()), "_qtk", "--model", str(model),
+                                      "--ids", str(ids_file), "--recipe", str(rfile), "--out", str(out),
+                                      "--batch-size", str(a.batch_size)], a.work / f"{name}.log")
+        t = json.loads((out / "timings.json").read_text())
+        ppl = rm.checkpoint_ppl(out / "vllm", windows)
+        steps = {k: {"s": round(v["s"], 2), "peak_extra_rss_mb": round(v["peak_extra_rss_mb"]), "layers": v["layers"]}
+                 for k, v in t["steps"].items()}
+        results[name] = {"perplexity": round(ppl, 4), "wall_s": round(wall, 1), "peak_rss_mb": round(rss / 1e6),
+                         "group_size": doc["weights"].get("group_size"), "steps": steps,
+                         "algorithm": doc["algorithm"], **({"layer_losses": losses(out)} if "autoround" in steps else {})}
+        print(name, {k: v for k, v in results[name].items() if k != "layer_losses"}, flush=True)
+        save(a, results, settings, model, windows, base_ppl)
+
+
+def run_peer(a, model: Path, ids_file: Path, in_features, windows) -> dict:
+    """intel/auto-round on the same ids, W4A16 symmetric with the recipe's group size, the same iterations and
+    batch: its compressed-tensors output read by qtk's reader and simulated for the same perplexity."""
+    import subprocess
+
+    doc = rm.qtk_recipe_doc("w4a16-autoround", in_features)
+    out = a.work / "auto-round-peer"
+    shutil.rmtree(out, ignore_errors=True)
+    version = subprocess.run([str(a.peer_python), "-c", "import auto_round; print(auto_round.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    wall, rss = vsl.run_measured([str(a.peer_python), str(HERE / "_autoround_peer.py"), "--model", str(model),
+                                  "--ids", str(ids_file), "--out", str(out), "--iters", str(a.iters or 200),
+                                  "--group-size", str(doc["weights"]["group_size"]), "--batch-size", str(a.batch_size),
+                                  "--threads", str(a.threads)], a.work / "auto-round-peer.log")
+    ck = out / "vllm"
+    if not (ck / "config.json").is_file():  # auto-round saves under a subdirectory named after the model
+        ck = next(d for d in ck.iterdir() if (d / "config.json").is_file())
+    t = json.loads((out / "timings.json").read_text())
+    return {"perplexity": round(rm.checkpoint_ppl(ck, windows), 4), "wall_s": round(wall, 1),
+            "peak_rss_mb": round(rss / 1e6), "group_size": doc["weights"]["group_size"],
+            "steps": {}, "peer": f"intel/auto-round {version}", "in_process_s": round(t["total_in_process"], 1)}
+
+
+def save(a, results: dict, settings: dict, model: Path, windows, base_ppl: float) -> None:
+    """The JSON report and the table in docs/real-model.md, after each recipe."""
+    from qtk.convert.manifest import versions
+
+    prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
+    if prev.get("settings") == settings:  # what another run with the same settings wrote meanwhile is kept
+        results = {**prev.get("recipes", {}), **results}
+    report = {"benchmark": "benchmarks/autoround.py",
+              "command": " ".join(["nice", ".venv/bin/python", "benchmarks/autoround.py", *sys.argv[1:]]),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions(),
+              "machine": {"cpus": os.cpu_count(), "loadavg_1_5_15_now": [round(x, 2) for x in os.getloadavg()]},
+              "model": {"name": "SmolLM2-135M-Instruct", **vsl.shape_of(model)}, "settings": settings,
+              "perplexity_tokens": windows.numel() - len(windows),
+              "unquantized_perplexity": round(base_ppl, 4), "recipes": results}
+    a.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_doc(render(report))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_qtk":
+        child(sys.argv[2:])
+    else:
+        main()

@@ -1,0 +1,221 @@
+"""The AutoRound step (SOLVE): SignRound (Cheng et al., 2023; intel/auto-round) on one decoder layer at a time.
+
+Every quantized Linear of the layer gets a rounding offset V [out, in] in [-0.5, 0.5] (the code is round(w / s + V)
+instead of round(w / s)) and, per scale group, factors in [0.5, 1] on the group's max and min (its clipping). They
+start at V = 0 and factors 1 (round to nearest with the min-max scales) and are learned together, for the whole
+layer, by signed gradient descent: each step moves every parameter by lr · sign(gradient), lr decaying linearly to 0
+over the iterations, rounding passed through by the straight-through estimator. The loss is the MSE between the
+layer's outputs with the fake-quantized weights and with the float ones, on the calibration batches (one batch a
+step, in a seeded random order); the parameters of the lowest loss seen are kept (auto-round's best-loss tracking).
+
+The codes and scales are then written through the format (qtk.quant.formats.integer): the group scale (and zero
+point) of the clipped min / max as the format computes it and rounds it to its storage dtype, the codes its
+rounding of w + V·s. The checkpoint is an ordinary one of that format: nothing of AutoRound is needed to decode it.
+Inputs are the layer's inputs as the loop propagates them (through the already-quantized layers above, auto-round's
+enable_quanted_input); the loop swaps the solved Linears in, so the next layer sees what the engine computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call
+
+from qtk.quant.formats import format_for
+from qtk.quant.formats.grouped import grouped, ungroup
+from qtk.quant.qtensor import QTensor
+from qtk.recipe.params import AutoRoundParams
+from qtk.steps.context import LayerContext
+from qtk.steps.records import StepRecord, register_record
+from qtk.steps.registry import register_step
+
+V_BOUND = 0.5  # |V|: an offset of more than half a step would skip a grid point
+CLIP_BOUNDS = (0.5, 1.0)  # the factors on a group's min and max: clip at most half the range, never widen it
+_TINY = 2.0 ** -126
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, identity backward (the straight-through estimator)."""
+    return x + (x.round() - x).detach()
+
+
+class Learner:
+    """One Linear's learned rounding: V, the clipping factors on each group's max (alpha) and min (beta), and the
+    fake-quantized weight they give, differentiable in all three."""
+
+    def __init__(self, w: torch.Tensor, scheme, minmax: bool, scale_dtype: torch.dtype | None = None,
+                 quotient_dtype: torch.dtype | None = None):
+        self.scheme, self.shape, self.scale_dtype, self.half = scheme, w.shape, scale_dtype, quotient_dtype
+        self.wg = grouped(w.detach().float(), scheme)  # [out, groups, group]
+        self.xmin = self.wg.amin(-1, keepdim=True).clamp_max(0)
+        self.xmax = self.wg.amax(-1, keepdim=True).clamp_min(0)
+        self.v = torch.zeros_like(self.wg, requires_grad=True)
+        self.alpha = torch.ones_like(self.xmax, requires_grad=minmax)
+        self.beta = torch.ones_like(self.xmin, requires_grad=minmax)
+
+    def round_params(self) -> list[torch.Tensor]:
+        return [self.v]
+
+    def clip_params(self) -> list[torch.Tensor]:
+        return [self.alpha, self.beta] if self.alpha.requires_grad else []
+
+    def qdq(self) -> torch.Tensor:
+        """The dequantized weight [out, in] under the current V and factors, as the format's integer grid computes
+        it (symmetric: scale = amax / ((qmax - qmin) / 2); asymmetric: (max - min) / (qmax - qmin) with the zero
+        point round(qmin - min / scale)), the scale rounded to its storage dtype as the checkpoint holds it (the
+        rounding passed through to the gradient), in float32: the codes near a rounding threshold, where signed
+        descent leaves many of them, are then decided by the scale the engine decodes with."""
+        s = self.scheme
+        hi, lo = self.xmax * self.alpha, self.xmin * self.beta
+        if s.symmetric:
+            scale = torch.maximum(hi, -lo) / ((s.qmax - s.qmin) / 2)
+        else:
+            scale = (hi - lo) / (s.qmax - s.qmin)
+        scale = scale.clamp_min(_TINY)
+        if self.scale_dtype is not None:
+            scale = scale + (scale.to(self.scale_dtype).float() - scale).detach()
+        q = self._rounded(self.wg / scale + self.v)
+        if s.symmetric:
+            q = round_ste(q).clamp(s.qmin, s.qmax)
+        else:
+            zero = round_ste(s.qmin - lo / scale).clamp(s.qmin, s.qmax)
+            q = round_ste(self._rounded(q + zero)).clamp(s.qmin, s.qmax) - zero
+        return (q * scale).reshape(self.shape)
+
+    def _rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded to the format's quotient dtype (a bf16 model's int quotients are bf16, as compressed-tensors
+        computes them: qtk.quant.formats.integer), passed through to the gradient; x itself for float32."""
+        return x if self.half is None else x + (x.to(self.half).float() - x).detach()
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p.detach().clone() for p in (self.v, self.alpha, self.beta))
+
+    def restore(self, state: tuple[torch.Tensor, ...]) -> None:
+        with torch.no_grad():
+            for p, x in zip((self.v, self.alpha, self.beta), state):
+                p.copy_(x)
+
+    def qtensor(self, dtype: torch.dtype) -> QTensor:
+        """The QTensor through the format: scale and zero point of the clipped min / max (rounded to the scale's
+        storage dtype as the format does), codes the format's rounding of w + V·scale (its quotient in the model's
+        dtype, as qdq trained it)."""
+        s = self.scheme
+        fmt = format_for(s)
+        with torch.no_grad():
+            scale, zero = fmt.scale_zero(self.xmin * self.beta, self.xmax * self.alpha, s, fmt.scale_dtype(s, dtype))
+            q = fmt.quantize_grouped(self.wg + self.v * scale, scale, zero, s, self.half)
+            values = q.reshape(self.shape).to(fmt.storage_dtype(s))
+        return QTensor(values, ungroup(scale, s), s, None if zero is None else ungroup(zero, s), None, dtype)
+
+
+@register_record
+@dataclass
+class AutoRoundRecord(StepRecord):
+    """One layer's optimisation: iterations run, the one whose parameters were kept (lowest loss), the loss at the
+    first (round to nearest, min-max scales), the kept one's, and the last one's (mean squared error of the layer's
+    outputs)."""
+
+    name = "autoround"
+    iters: int = 0
+    best_iter: int = 0
+    initial_loss: float = 0.0
+    best_loss: float = 0.0
+    last_loss: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"iters": self.iters, "best_iter": self.best_iter, "initial_loss": self.initial_loss,
+                "best_loss": self.best_loss, "last_loss": self.last_loss}
+
+    @classmethod
+    def from_json(cls, data) -> "AutoRoundRecord":
+        return cls(int(data["iters"]), int(data["best_iter"]), float(data["initial_loss"]), float(data["best_loss"]),
+                   float(data["last_loss"]))
+
+
+def _output(y):
+    return y[0] if isinstance(y, tuple) else y
+
+
+def batch_order(n: int, iters: int, seed: int) -> list[int]:
+    """The batch each step uses: every batch once per pass over them, each pass in a new seeded random order."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    while len(out) < iters:
+        out.extend(torch.randperm(n, generator=g).tolist())
+    return out[:iters]
+
+
+@register_step("autoround")
+def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
+    layer, batches = ctx.layer, ctx.batches
+    names = list(ctx.targets)
+    dtypes = {t: layer.get_submodule(t).weight.dtype for t in names}
+    learners = {}
+    for t in names:
+        s = ctx.scheme(t).weights
+        fmt = format_for(s)
+        learners[t] = Learner(ctx.weight(t).to(ctx.device), s, params.minmax, fmt.scale_dtype(s, ctx.dtype),
+                              fmt.quotient_dtype(ctx.dtype))
+    float_w = {t + ".weight": ctx.weight(t).to(dtypes[t]) for t in names}  # the transformed weights, if any
+    keep = getattr(batches, "keep", lambda j, y: y)
+    frozen = [p for p in layer.parameters() if p.requires_grad]
+    for p in frozen:  # only V and the factors are learned; the layer's own parameters take no gradient
+        p.requires_grad_(False)
+    try:
+        with torch.no_grad():  # the loss's target: the layer's outputs with its float weights
+            targets = [keep(j, _output(functional_call(layer, float_w, (h,), kw))) for j, (h, kw) in enumerate(batches)]
+        del float_w
+        record = _learn(ctx, params, learners, dtypes, targets)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    for t, lr in learners.items():
+        ctx.qweights[t] = lr.qtensor(ctx.dtype)
+    return record
+
+
+def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learner], dtypes, targets) -> AutoRoundRecord:
+    """Signed gradient descent on every learner of the layer at once; the parameters of the lowest loss are left
+    in the learners."""
+    layer, batches, reducer = ctx.layer, ctx.batches, ctx.reducer
+    round_p = [p for lr in learners.values() for p in lr.round_params()]
+    clip_p = [p for lr in learners.values() for p in lr.clip_params()]
+    order = batch_order(len(batches), params.iters, params.seed + ctx.index)
+    best, best_iter, best_state = math.inf, 0, None
+    initial = last = math.nan
+    for it, j in enumerate(order):
+        h, kw = batches[j]
+        with torch.enable_grad():
+            qw = {t + ".weight": lr.qdq().to(dtypes[t]) for t, lr in learners.items()}
+            y = _output(functional_call(ctx.layer, qw, (h,), kw))
+            loss = torch.nn.functional.mse_loss(y.float(), targets[j].to(y.device).float())
+            loss.backward()
+        del qw, y
+        value = loss.detach().reshape(1)
+        for p in round_p + clip_p:  # a Linear no token reached (an MoE expert) has no gradient: it stays put
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if reducer.world_size > 1:  # every process steps on the gradient summed over all their batches
+            value = reducer.sum_(value) / reducer.world_size
+            for p in round_p + clip_p:
+                reducer.sum_(p.grad)
+        last = float(value)
+        if it == 0:
+            initial = last
+        if last < best:  # the parameters that gave this loss, before this step moves them
+            best, best_iter = last, it
+            best_state = {t: lr.snapshot() for t, lr in learners.items()}
+        decay = 1.0 - it / params.iters  # linear to 0, as auto-round's LinearLR(start 1, end 0)
+        with torch.no_grad():
+            for p in round_p:
+                p.add_(p.grad.sign(), alpha=-params.step_lr * decay).clamp_(-V_BOUND, V_BOUND)
+                p.grad = None
+            for p in clip_p:
+                p.add_(p.grad.sign(), alpha=-params.clip_lr * decay).clamp_(*CLIP_BOUNDS)
+                p.grad = None
+    if best_state is not None:
+        for t, lr in learners.items():
+            lr.restore(best_state[t])
+    return AutoRoundRecord(params.iters, best_iter, initial, best, last)

@@ -1,0 +1,253 @@
+"""The autoround step (qtk.steps.autoround, SignRound): on every layer of a tiny model its quantized outputs are
+closer to the float ones than round-to-nearest's; with nothing learned it writes exactly RTN's codes and scales (so
+the learned ones go through the format's own arithmetic); its checkpoints (int4 groups symmetric and asymmetric,
+int8 per channel) reload in transformers + compressed-tensors as qtk simulates them, pass `qtk inspect` and record
+each layer's losses; schemes it cannot learn and bad parameters are refused before any work; --resume after a
+kill gives the same bytes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from models import make_tiny_model, message_lines
+from qtk import api
+from qtk.cli import main
+from qtk.export import open_checkpoint
+from qtk.model.simulate import build_simulated_model
+from qtk.model.source import ModelSource
+from qtk.recipe import parse_recipe
+from qtk.recipe.params import AutoRoundParams, RTNParams
+from qtk.steps import LayerContext, autoround, rtn
+from qtk.steps.swap import swap_in
+
+IDS = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def recipe_text(weights: str, iters: int = 30, name: str = "ar") -> str:
+    return (f"name: {name}\nweights: {weights}\nalgorithm:\n  - autoround: {{iters: {iters}}}\nignore: [lm_head]\n")
+
+
+INT4_G32 = "{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}"
+INT4_G32_ASYM = "{num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}"
+INT8_CHANNEL = "{num_bits: 8, type: int, symmetric: true, strategy: channel}"
+
+
+@pytest.fixture(scope="module")
+def fp32_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("ar") / "m", hidden=128, intermediate=256, dtype=torch.float32)
+
+
+def layer_batches(model, ids):
+    """Each decoder layer's calibration batches [(hidden states, kwargs)] from one float forward, one batch per
+    row of ids."""
+    layers = model.model.layers
+    seen: dict[int, list] = {i: [] for i in range(len(layers))}
+
+    def hook(i):
+        def f(mod, args, kwargs):
+            kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}
+            seen[i].append((args[0].detach() if args else kw.pop("hidden_states").detach(), kw))
+        return f
+
+    hs = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        for row in ids:
+            model(input_ids=row[None], use_cache=False)
+    for h in hs:
+        h.remove()
+    return seen
+
+
+def solved_outputs(layer, i, source, recipe, batches, step, params, dtype=torch.float32):
+    """The layer's outputs on its batches once `step` solved its weights and the engine's view is swapped in, and
+    the step's QTensors and record (dtype: the model's, which scales and int quotients are rounded to)."""
+    layer = copy.deepcopy(layer)
+    arch = source.arch.at(i)
+    ctx = LayerContext(i, source.layer_prefix(i), layer, arch, recipe, list(arch.linears), batches, dtype)
+    record = step(ctx, params)
+    for t, qt in ctx.qweights.items():
+        swap_in(layer, t, qt, None, {})
+    with torch.no_grad():
+        out = [layer(h, **kw) for h, kw in batches]
+    return [o[0] if isinstance(o, tuple) else o for o in out], ctx.qweights, record
+
+
+@pytest.mark.parametrize("weights", [INT4_G32, INT4_G32_ASYM])
+def test_autoround_lowers_every_layers_output_error_below_rtn(fp32_model, weights):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(fp32_model), dtype=torch.float32).eval()
+    source = ModelSource(fp32_model)
+    recipe = parse_recipe(yaml.safe_load(recipe_text(weights)), "", "ar")
+    ids = torch.randint(3, 90, (6, 48), generator=torch.Generator().manual_seed(1))
+    inputs = layer_batches(model, ids)
+    for i, layer in enumerate(model.model.layers):
+        batches = inputs[i]
+        with torch.no_grad():
+            ref = [layer(h, **kw) for h, kw in batches]
+        ref = [o[0] if isinstance(o, tuple) else o for o in ref]
+
+        def mse(outs):
+            return sum(float((a - b).pow(2).mean()) for a, b in zip(outs, ref)) / len(ref)
+
+        rtn_out, _, _ = solved_outputs(layer, i, source, recipe, batches, rtn.run, RTNParams())
+        ar_out, _, rec = solved_outputs(layer, i, source, recipe, batches, autoround.run, AutoRoundParams(iters=60))
+        assert rec.iters == 60 and rec.best_loss < rec.initial_loss and 0 <= rec.best_iter < 60
+        assert mse(ar_out) < 0.8 * mse(rtn_out), (i, mse(ar_out), mse(rtn_out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_nothing_learned_it_writes_rtns_codes_and_scales(fp32_model, tiny_llama, dtype):
+    """One iteration keeps the starting point (V = 0, factors 1: the loss of iteration 0 is the lowest seen), whose
+    QTensors must be exactly round-to-nearest's with min-max scales, for a float32 model and a bf16 one (whose scales
+    and int quotients are rounded to bf16): the learned ones go through the same format arithmetic."""
+    from transformers import AutoModelForCausalLM
+
+    src = fp32_model if dtype == torch.float32 else tiny_llama
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    source = ModelSource(src)
+    for weights in (INT4_G32, INT4_G32_ASYM, INT8_CHANNEL):
+        recipe = parse_recipe(yaml.safe_load(recipe_text(weights)), "", "ar")
+        batches = layer_batches(model, IDS)[0]
+        layer = model.model.layers[0]
+        _, want, _ = solved_outputs(layer, 0, source, recipe, batches, rtn.run, RTNParams(), dtype)
+        _, got, rec = solved_outputs(layer, 0, source, recipe, batches, autoround.run, AutoRoundParams(iters=1), dtype)
+        assert rec.best_iter == 0
+        for t in want:
+            assert torch.equal(got[t].values, want[t].values), (weights, t)
+            assert torch.equal(got[t].scale, want[t].scale), (weights, t)
+            assert (got[t].zero_point is None) == (want[t].zero_point is None)
+            if want[t].zero_point is not None:
+                assert torch.equal(got[t].zero_point.float(), want[t].zero_point.float())
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+@pytest.mark.parametrize("weights", [INT4_G32, INT4_G32_ASYM, INT8_CHANNEL])
+def test_the_checkpoint_is_an_ordinary_one_that_reloads_as_simulated(tiny_llama, calib_file, tmp_path, weights):
+    """The vllm checkpoint reloads in transformers + compressed-tensors equal to qtk's simulation, passes inspect,
+    holds codes other than round-to-nearest's (the learned rounding is what is stored) and records each layer's
+    losses in qtk.json."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    p = tmp_path / "ar.yaml"
+    p.write_text(recipe_text(weights))
+    d = api.convert(tiny_llama, str(p), tmp_path / "o", calib=str(calib_file), num_samples=8, seq_len=64,
+                    hash_source=False).outputs["vllm"]
+    assert api.inspect(d).ok
+    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
+    assert (_logits(ref) - _logits(sim)).abs().max().item() <= 1e-3
+    recs = json.loads((d / "qtk.json").read_text())["stats"]["algorithm"]
+    for layer in ("0", "1"):
+        r = recs[layer]["autoround"]
+        assert r["iters"] == 30 and r["best_loss"] <= r["initial_loss"] and 0 <= r["best_iter"] < 30
+    p.write_text(recipe_text(weights).replace("  - autoround: {iters: 30}", "  - rtn"))
+    plain = api.convert(tiny_llama, str(p), tmp_path / "rtn", hash_source=False).outputs["vllm"]
+    ours, theirs = open_checkpoint(d), open_checkpoint(plain)
+    name = "model.layers.0.mlp.down_proj"
+    assert not torch.equal(ours.qtensor(name).values, theirs.qtensor(name).values)
+
+
+@pytest.mark.parametrize("weights,needle", [
+    ("{num_bits: 4, type: float, strategy: tensor_group, group_size: 16}", "autoround learns int weights"),
+    (INT4_G32 + "\nactivations: {num_bits: 8, type: int, strategy: token, dynamic: true}", None),
+])
+def test_a_scheme_it_cannot_learn_is_refused_before_any_work(tiny_llama, tmp_path, weights, needle):
+    p = tmp_path / "ar.yaml"
+    text = recipe_text(weights)
+    p.write_text(text)
+    r = CliRunner().invoke(main, ["convert", str(tiny_llama), "--recipe", str(p), "-o", str(tmp_path / "o")],
+                           prog_name="qtk")
+    lines = message_lines(r.output)
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert ("w4a16-autoround" in lines[0] if needle else "weight-only" in lines[0]), lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("params,needle", [
+    ("{iters: 0}", "iters: must be in 1..100000"), ("{lr: -0.5}", "lr: must be in [0, 1]"),
+    ("{minmax_lr: 2.0}", "minmax_lr: must be in [0, 1]"), ("{iter: 10}", "did you mean 'iters'"),
+    ("{iters: ten}", "expected int"),
+])
+def test_bad_parameters_are_refused_in_one_line(tiny_llama, tmp_path, params, needle):
+    p = tmp_path / "ar.yaml"
+    p.write_text(recipe_text(INT4_G32).replace("{iters: 30}", params))
+    r = CliRunner().invoke(main, ["convert", str(tiny_llama), "--recipe", str(p), "-o", str(tmp_path / "o")],
+                           prog_name="qtk")
+    lines = message_lines(r.output)
+    assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_it_is_listed_as_a_solver_of_its_own():
+    """A recipe lists one solver: autoround with gptq (or awq) is refused, naming autoround among the solvers."""
+    from qtk.errors import UsageError
+
+    doc = yaml.safe_load(recipe_text(INT4_G32))
+    doc["algorithm"] = ["gptq", "autoround"]
+    with pytest.raises(UsageError, match="exactly one of rtn, gptq, awq, autoround"):
+        parse_recipe(doc, "", "r.yaml")
+    assert AutoRoundParams().step_lr == 1 / 200 and AutoRoundParams(iters=50).clip_lr == 1 / 50
+    assert AutoRoundParams(lr=0.01, minmax_lr=0.002).clip_lr == 0.002
+
+
+def test_resume_after_a_kill_gives_the_same_bytes(calib_file, tmp_path):
+    model = make_tiny_model(tmp_path / "m", layers=5, hidden=128, intermediate=256)
+    p = tmp_path / "ar.yaml"
+    p.write_text(recipe_text(INT4_G32, iters=40))
+    exe = os.path.join(os.path.dirname(sys.executable), "qtk")
+
+    def cmd(out, *extra):
+        return [exe, "convert", str(model), "--recipe", str(p), "-o", str(out), "--calib", str(calib_file),
+                "--num-samples", "8", "--seq-len", "64", "--no-hash", *extra]
+
+    subprocess.run(cmd(tmp_path / "ref"), check=True, capture_output=True)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(cmd(out, "--resume"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    state = out / ".qtk-resume"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and len(list(state.glob("layer-*"))) < 2:
+        time.sleep(0.01)
+    assert proc.poll() is None, "finished before it could be interrupted"
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    done = len(list(state.glob("layer-*")))
+    assert 1 <= done < 5
+    r = subprocess.run(cmd(out, "--resume"), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed at layer {done} of 5" in r.stderr
+
+    def files(d):
+        got = {f.name: f.read_bytes() for f in sorted(d.iterdir()) if f.name not in ("qtk.json", "README.md")}
+        m = json.loads((d / "qtk.json").read_text())
+        return got, m["stats"]["algorithm"]
+
+    assert files(out / "vllm") == files(tmp_path / "ref" / "vllm")
+
+
+def test_qtk_tune_refuses_an_autoround_candidate_rather_than_dropping_its_solver():
+    """qtk tune's mixed recipe is solved by rtn or gptq: an autoround candidate would silently lose its solver."""
+    from qtk.errors import UsageError
+    from qtk.tune.search import load_candidates
+
+    with pytest.raises(UsageError) as e:
+        load_candidates(["w4a16-autoround", "w8a16", "bf16"])
+    assert str(e.value) == ("candidate w4a16-autoround is solved by autoround; qtk tune mixes schemes solved by rtn or "
+                            "gptq — drop w4a16-autoround from --candidates or use its rtn/gptq variant (e.g. w4a16-gptq)")
+    assert e.value.exit_code == 2
