@@ -38,11 +38,16 @@ LEVELS: dict[str, int] = {
     "qtk.recipe": 3,
     "qtk.model": 4,
     "qtk.calib": 4,
+    "qtk.calib_images": 4,
     "qtk.algorithms": 5,
     "qtk.plan": 5,
     "qtk.steps": 6,
     "qtk.pipeline": 7,
     "qtk.export": 8,
+    # the compressed-tensors codecs hold only the format's layout (quant formats, recipe schemes): the source reader
+    # (qtk.model.prequantized) and the planner read them too
+    "qtk.export.codecs.ct": 3.5,
+    "qtk.export.codecs.ct_transform": 3.5,
     "qtk.checks": 9,
     "qtk.convert": 9,
     "qtk.eval": 9,
@@ -53,6 +58,13 @@ LEVELS: dict[str, int] = {
     "qtk.eval.cli": 11,
     "qtk.__main__": 11,
 }
+
+# The one import that runs up the layers on purpose, with why; each is owed a fix, and a new one fails the tests.
+# qtk.model.prequantized reads a compressed-tensors source through the vllm target's reader (its config groups'
+# precedence and each module's stored-tensor checks), so a source is read exactly as qtk's own checkpoints are read
+# back; the fix is to move that config-group reading into qtk.export.codecs.ct, below the model.
+KNOWN_UPWARD = {("qtk.model.prequantized", "qtk.export.vllm")}
+
 
 def _module_name(path: Path) -> str:
     rel = path.relative_to(ROOT.parent).with_suffix("")
@@ -96,7 +108,13 @@ def _imports(path: Path, module: str) -> set[str]:
 
 
 MODULES: dict[str, Path] = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
-GRAPH: dict[str, set[str]] = {m: _imports(p, m) for m, p in MODULES.items()}
+GRAPH: dict[str, set[str]] = {m: _imports(p, m) - {t for f, t in KNOWN_UPWARD if f == m} for m, p in MODULES.items()}
+
+
+def test_known_upward_imports_are_still_there():
+    """An exception that no longer happens is taken off the list (it would hide a new one of the same pair)."""
+    for f, t in KNOWN_UPWARD:
+        assert t in _imports(MODULES[f], f), f"{f} no longer imports {t}: remove it from KNOWN_UPWARD"
 
 
 def test_the_native_kernels_sit_below_the_formats():
