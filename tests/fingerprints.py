@@ -115,21 +115,14 @@ def _drop_versions(cfg) -> None:
 
 
 def accepted_targets(model: Path, recipe: str, options: dict) -> list[str]:
-    """The targets whose writer accepts the recipe for this model (asked of each registered writer, one at a time)."""
-    from qtk.errors import UsageError
-    from qtk.export import TARGETS, ExportOptions, writer_for
+    """The targets that accept the recipe for this model: the checks convert runs for each target (the shared ones,
+    such as an online rotation's, and the writer's own), in the order of TARGETS."""
+    from qtk.export import TARGETS, ExportOptions, accepting_targets
     from qtk.model.source import ModelSource
     from qtk.recipe import load_recipe
 
-    src, r = ModelSource(model), load_recipe(recipe)
-    ok = []
-    for t in TARGETS:
-        try:
-            writer_for(t).check(src, r, ExportOptions(**options))
-            ok.append(t)
-        except UsageError:
-            pass
-    return ok
+    ok = set(accepting_targets(ModelSource(model), load_recipe(recipe), ExportOptions(**options)))
+    return [t for t in TARGETS if t in ok]
 
 
 def cases(root: Path, stored: dict | None = None) -> list[dict]:
