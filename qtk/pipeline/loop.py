@@ -19,7 +19,7 @@ from qtk.model.moe import moe_blocks, report_starved_experts
 from qtk.model.simulate import QLinear, engine_weight, set_kv_hook, use_qtk_attention
 from qtk.pipeline.capture import capture_layer_inputs
 from qtk.pipeline.device import Activations, activation_budget, compute_dtype, resolve_device
-from qtk.pipeline.memory import map_large_allocations, release_freed_memory
+from qtk.pipeline.memory import bound_kernel_caches, map_large_allocations, release_freed_memory
 from qtk.quant.finite import all_finite
 from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.quant.error import relative_error
@@ -223,6 +223,7 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     check_group_size(source, recipe)
     if calib_ids is not None:
         map_large_allocations()
+        bound_kernel_caches()  # before the first forward: per-expert GEMM shapes would fill oneDNN's caches
     t0 = time.perf_counter()
     skeleton = source.skeleton()
     if calib_ids is not None:

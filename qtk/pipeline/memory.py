@@ -3,6 +3,7 @@ served from their own mappings (glibc); how much memory this process can still t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _libc = None
@@ -45,6 +46,22 @@ def map_large_allocations() -> None:
     if MMAP_THRESHOLD_BYTES and _glibc():
         _libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
         _libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+
+
+KERNEL_CACHE_ENTRIES = 16
+
+
+def bound_kernel_caches() -> None:
+    """Keep few GEMM primitives of oneDNN (and of ideep, torch's wrapper of it): bf16 matmuls on the CPU create one
+    per input shape and both caches keep up to 1024 of them, 0.5-2 MB each. An MoE expert's Linears see a new row
+    count for nearly every expert, batch and layer, so the caches grew by tens of MB per layer until they held 1024
+    (benchmarks/moe_depth.py); dense layers reuse a handful of shapes, which 16 entries hold. Creating a primitive
+    again costs no measurable time next to the GEMM, and the kernels are the same (outputs are bit-identical). Both
+    libraries read the capacity when they first create a primitive, so this must run before the process's first
+    bf16 matmul; a value already in the environment wins (LRU_CACHE_CAPACITY must be at least 1: 0 crashes ideep).
+    Process-wide and left in place."""
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(var, str(KERNEL_CACHE_ENTRIES))
 
 
 def available_memory() -> int | None:
