@@ -55,3 +55,22 @@ def test_calibrated_moe_peak_does_not_grow_with_layers(tmp_path, calib_file):
     print(f"peak RSS 2 layers {r2 / 2**20:.0f} MiB, 8 layers {r8 / 2**20:.0f} MiB, one bf16 layer {layer / 2**20:.0f} MiB")
     # six more layers may cost the in-layer creep of the dense test (~20 MiB), not a layer's worth each
     assert r8 - r2 < 2 * layer
+
+
+def test_kernel_cache_bounds_stay_out_of_the_engine(monkeypatch):
+    """The calibration loop bounds oneDNN's GEMM caches for this process; vLLM's worker, started later by the same
+    process, gets the libraries' defaults back, while a capacity the user set reaches it unchanged."""
+    from qtk.eval.vllm_process import worker_env
+    from qtk.pipeline.memory import KERNEL_CACHES_SET_BY, bound_kernel_caches
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")  # the user's
+    monkeypatch.delenv(KERNEL_CACHES_SET_BY, raising=False)
+    bound_kernel_caches()
+    import os
+
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16" and os.environ["LRU_CACHE_CAPACITY"] == "64"
+    e = worker_env({"X": "1"})
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in e and e["LRU_CACHE_CAPACITY"] == "64" and e["X"] == "1"
+    assert KERNEL_CACHES_SET_BY not in e
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")

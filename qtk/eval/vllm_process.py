@@ -111,6 +111,16 @@ class PromptLogprobs:
         return out
 
 
+def worker_env(env: dict | None = None) -> dict:
+    """The worker's environment: this process's, less the GEMM cache capacities qtk's calibration loop bounded
+    (qtk.pipeline.memory.bound_kernel_caches names them in QTK_KERNEL_CACHES_SET; a user's own settings stay), so the
+    engine runs with the libraries' defaults; then `env`."""
+    set_by_qtk = set(os.environ.get("QTK_KERNEL_CACHES_SET", "").split(",")) | {"QTK_KERNEL_CACHES_SET"}
+    e = {k: v for k, v in os.environ.items() if k not in set_by_qtk}
+    e.update(env or {})
+    return e
+
+
 class VLLMProcess:
     """One vLLM worker process. `load(path)` then `logprobs` / `generate`; `close()` (or a with-block) ends it.
 
@@ -129,8 +139,7 @@ class VLLMProcess:
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "ab")
         r, w = os.pipe()
-        e = dict(os.environ)
-        e.update(env or {})
+        e = worker_env(env)
         e.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         e.setdefault("TQDM_DISABLE", "1")
         self.proc = subprocess.Popen([python or sys.executable, "-m", "qtk.eval.vllm_worker", str(w)],

@@ -59,9 +59,17 @@ def bound_kernel_caches() -> None:
     again costs no measurable time next to the GEMM, and the kernels are the same (outputs are bit-identical). Both
     libraries read the capacity when they first create a primitive, so this must run before the process's first
     bf16 matmul; a value already in the environment wins (LRU_CACHE_CAPACITY must be at least 1: 0 crashes ideep).
-    Process-wide and left in place."""
-    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        os.environ.setdefault(var, str(KERNEL_CACHE_ENTRIES))
+    Process-wide and left in place; the variables set here (not the user's) are named in KERNEL_CACHES_SET_BY, so a
+    process this one starts (vLLM's worker, for --verify-engine or --gate) gets the libraries' defaults back."""
+    mine = [var for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY") if var not in os.environ]
+    for var in mine:
+        os.environ[var] = str(KERNEL_CACHE_ENTRIES)
+    if mine:
+        os.environ[KERNEL_CACHES_SET_BY] = ",".join(sorted(set(mine) | set(filter(None, os.environ.get(KERNEL_CACHES_SET_BY, "").split(",")))))
+
+
+# the environment variable naming the cache capacities qtk set (bound_kernel_caches), which child processes drop
+KERNEL_CACHES_SET_BY = "QTK_KERNEL_CACHES_SET"
 
 
 def available_memory() -> int | None:
