@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from models import EXAMPLE, needs_ct_float32_decode
+from models import EXAMPLE, apply_ct_transforms, needs_ct_float32_decode
 from qtk import api
 from qtk.calib import calibration_ids, load_texts
 from qtk.export import open_checkpoint
@@ -44,8 +44,10 @@ def converted(tiny_llama, calib_file, tmp_path_factory):
 def _reload(d):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
-                                                quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
+    # transformers does not apply a checkpoint's online transforms (w4a16-rot4-gptq's R4): compressed-tensors' own code does
+    return apply_ct_transforms(model, d).eval()
 
 
 @needs_ct_float32_decode
