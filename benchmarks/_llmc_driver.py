@@ -40,7 +40,7 @@ def recipe(scheme: str):
 
 
 MODIFIERS = ("QuantizationModifier", "GPTQModifier", "SmoothQuantModifier", "AWQModifier", "SpinQuantModifier",
-             "QuIPModifier")
+             "QuIPModifier", "AutoRoundModifier")
 
 
 def recipe_from_config(cfg: dict):
@@ -52,6 +52,10 @@ def recipe_from_config(cfg: dict):
     classes = {"QuantizationModifier": QuantizationModifier, "GPTQModifier": GPTQModifier,
                "SmoothQuantModifier": SmoothQuantModifier, "AWQModifier": AWQModifier,
                "SpinQuantModifier": SpinQuantModifier, "QuIPModifier": QuIPModifier}
+    if any(m["type"] == "AutoRoundModifier" for m in cfg["modifiers"]):  # needs intel/auto-round installed beside it
+        from llmcompressor.modifiers.autoround import AutoRoundModifier
+
+        classes["AutoRoundModifier"] = AutoRoundModifier
     out = []
     for m in cfg["modifiers"]:
         if m["type"] not in classes:

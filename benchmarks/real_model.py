@@ -161,6 +161,9 @@ def llmc_config(doc: dict, observer: str = "static_minmax") -> dict:
                                                                       "transform_type": "random-hadamard"}})
             else:
                 spin["kwargs"]["rotations"].append("R4")
+        elif name == "autoround":  # llm-compressor's AutoRoundModifier (it runs intel/auto-round, which must be installed)
+            mods.append({"type": "AutoRoundModifier", "kwargs": {**quant, "iters": p.get("iters", 200)}})
+            calibrate = True
         elif name == "rtn":
             mods.append({"type": "QuantizationModifier", "kwargs": quant})
     return {"modifiers": mods, "calibrate": calibrate}

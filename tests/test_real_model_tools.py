@@ -86,7 +86,7 @@ def test_each_builtin_recipe_has_its_llmcompressor_spelling(bench, name):
     assert quant["ignore"] == ["lm_head"]
     steps = [next(iter(s)) if isinstance(s, dict) else s for s in doc["algorithm"]]
     expected = {"smoothquant": ["SmoothQuantModifier"], "awq": ["AWQModifier", "QuantizationModifier"],
-                "gptq": ["GPTQModifier"], "rtn": ["QuantizationModifier"],
+                "gptq": ["GPTQModifier"], "rtn": ["QuantizationModifier"], "autoround": ["AutoRoundModifier"],
                 "rotate": ["SpinQuantModifier"],
                 # R4 joins the offline rotations' SpinQuantModifier (its own where R1/R2 are not listed)
                 "rotate_online": [] if "rotate" in steps else ["SpinQuantModifier"]}
