@@ -130,20 +130,11 @@ def main():
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[k] = str(a.threads)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from qtk.calib import calibration_ids, ids_hash, load_texts
+    from qtk.calib import ids_hash
 
-    torch.set_num_threads(a.threads)
-    model = rm._load_script("real_model").real_model_dir()
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    in_features = sorted({cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"] * head_dim})
-    tok = AutoTokenizer.from_pretrained(model)
-    a.work.mkdir(parents=True, exist_ok=True)
-    ids = calibration_ids(tok, load_texts(str(rm.TEXT / "calib.jsonl")), a.num_samples, a.seq_len, a.seed)
-    ids_file = a.work / "calib-ids.pt"
-    torch.save(ids, ids_file)
+    model, cfg, in_features, tok, ids, ids_file = rm.model_and_ids(a, a.work)
     windows, _ = rm.heldout_windows(tok, a.ppl_tokens, a.ppl_seq_len)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     base_ppl = rm.perplexity(base, windows)

@@ -209,6 +209,28 @@ def run_llmc(model: Path, ids: Path, cfg: dict, out: Path, log: Path) -> dict:
 
 # ---------------------------------------------------------------------------------------------- measuring
 
+def model_and_ids(a, work: Path):
+    """What every real-model benchmark starts from: the model (scripts/real_model.py), its config.json, the input
+    sizes of its Linears, its tokenizer, and the calibration ids drawn from TEXT's calib.jsonl with a.num_samples,
+    a.seq_len and a.seed, saved to work/calib-ids.pt for the conversions run as children; a.threads torch threads."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from qtk.calib import calibration_ids, load_texts
+
+    torch.set_num_threads(a.threads)
+    model = _load_script("real_model").real_model_dir()  # scripts/real_model.py: same module name as this file
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    in_features = sorted({cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"] * head_dim})
+    tok = AutoTokenizer.from_pretrained(model)
+    work.mkdir(parents=True, exist_ok=True)
+    ids = calibration_ids(tok, load_texts(str(TEXT / "calib.jsonl")), a.num_samples, a.seq_len, a.seed)
+    ids_file = work / "calib-ids.pt"
+    torch.save(ids, ids_file)
+    return model, cfg, in_features, tok, ids, ids_file
+
+
 def heldout_windows(tokenizer, n_tokens: int, seq_len: int):
     """[n, seq_len] windows: BOS then seq_len - 1 consecutive held-out tokens each, n_tokens text tokens in all."""
     import torch
@@ -376,22 +398,12 @@ def main():
     except vsl.LlmcUnavailable as e:
         raise SystemExit(f"error: llm-compressor is not available here: {e}")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from qtk.convert.manifest import versions as _versions
-    from qtk.calib import calibration_ids, ids_hash, load_texts
+    from qtk.calib import ids_hash
 
-    real_model_dir = _load_script("real_model").real_model_dir  # scripts/real_model.py: same module name as this file
-
-    torch.set_num_threads(a.threads)
-    model = real_model_dir()
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    in_features = sorted({cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"] * head_dim})
-    tok = AutoTokenizer.from_pretrained(model)
-    ids = calibration_ids(tok, load_texts(str(TEXT / "calib.jsonl")), a.num_samples, a.seq_len, a.seed)
-    ids_file = work / "calib-ids.pt"
-    torch.save(ids, ids_file)
+    model, cfg, in_features, tok, ids, ids_file = model_and_ids(a, work)
     windows, heldout_total = heldout_windows(tok, a.ppl_tokens, a.seq_len)
     overlap = overlap_runs(ids, windows)
     print(f"calibration {tuple(ids.shape)} ids {ids_hash(ids)}; held-out {windows.numel() - len(windows)} of "
