@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from models import apply_ct_transforms, make_tiny_model
+from models import apply_ct_transforms, fewer_iterations, make_tiny_model
 from qtk import api
 from qtk.checks import expected_quantized
 from qtk.errors import UsageError
@@ -168,7 +168,8 @@ def test_architecture_recipe_vllm(models, calib_file, tmp_path, model_type, reci
         assert not (tmp_path / "o").exists()
         record_property("refused", e.value.args[0])
         return
-    res = api.convert(src, recipe, tmp_path / "o", calib=str(calib_file), num_samples=4, seq_len=48, hash_source=False)
+    res = api.convert(src, fewer_iterations(recipe, tmp_path), tmp_path / "o", calib=str(calib_file), num_samples=4,
+                      seq_len=48, hash_source=False)
     d = res.outputs["vllm"]
     ck = open_checkpoint(d)
     n_layers = ck.hf_config["num_hidden_layers"]

@@ -12,6 +12,7 @@ import pytest
 
 from qtk import api
 from qtk.recipe import builtin_recipes
+from models import fewer_iterations
 from test_architectures import ARCH_CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +60,7 @@ def test_converts_to_every_accepting_target(matrix, calib_file, tmp_path, family
                and target_matrix.converting_test(f, r, t).startswith(target_matrix.MATRIX_TEST)]
     if not targets:
         pytest.skip("no cell of this family and recipe is left to this test (refused, or tests/test_architectures.py)")
-    res = api.convert(models[family], recipe, tmp_path / "o", targets=targets, calib=str(calib_file), num_samples=4,
+    res = api.convert(models[family], fewer_iterations(recipe, tmp_path), tmp_path / "o", targets=targets, calib=str(calib_file), num_samples=4,
                       seq_len=48, hash_source=False)
     assert sorted(res.outputs) == sorted(targets)
     for t in targets:
