@@ -26,14 +26,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import real_model as rm  # noqa: E402  (model, texts, recipes' group sizes, perplexity)
 import rotation as rot  # noqa: E402  (per-step timing)
 import vs_llmcompressor as vsl  # noqa: E402  (measured child processes)
 
-DOC = ROOT / "docs" / "real-model.md"
 RECIPES = ("w4a16", "w4a16-gptq", "w4a16-autoround")
 
 
@@ -101,13 +99,7 @@ def render(report: dict) -> str:
 
 
 def write_doc(table: str) -> None:
-    start, end = "<!-- autoround:start -->", "<!-- autoround:end -->"
-    text = DOC.read_text()
-    if start not in text:
-        text += f"\n{start}\n{end}\n"
-    head, _, rest = text.partition(start)
-    _, _, tail = rest.partition(end)
-    DOC.write_text(f"{head}{start}\n\n{table}\n\n{end}{tail}")
+    rm.write_marked("autoround", table)
 
 
 def main():

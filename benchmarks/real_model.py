@@ -357,12 +357,20 @@ def render_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(table: str) -> None:
-    start, end = f"<!-- {MARK}:start -->", f"<!-- {MARK}:end -->"
-    text = DOC.read_text() if DOC.is_file() else f"# Real model\n\n{start}\n{end}\n"
+def write_marked(mark: str, table: str) -> None:
+    """docs/real-model.md with `table` between its `<!-- mark:start -->` / `<!-- mark:end -->` markers (appended at
+    the end, markers and all, the first time)."""
+    start, end = f"<!-- {mark}:start -->", f"<!-- {mark}:end -->"
+    text = DOC.read_text() if DOC.is_file() else "# Real model\n"
+    if start not in text:
+        text += f"\n{start}\n{end}\n"
     head, _, rest = text.partition(start)
     _, _, tail = rest.partition(end)
     DOC.write_text(f"{head}{start}\n\n{table}\n\n{end}{tail}")
+
+
+def write_doc(table: str) -> None:
+    write_marked(MARK, table)
 
 
 def main():

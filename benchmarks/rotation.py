@@ -25,13 +25,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import real_model as rm  # noqa: E402  (model, texts, recipes' group sizes, perplexity)
 import vs_llmcompressor as vsl  # noqa: E402  (measured child processes)
 
-DOC = ROOT / "docs" / "real-model.md"
 BASES = ("w4a16-gptq", "nvfp4-gptq")
 
 
@@ -166,13 +164,7 @@ def render(report: dict) -> str:
 
 
 def write_doc(table: str) -> None:
-    start, end = "<!-- rotation:start -->", "<!-- rotation:end -->"
-    text = DOC.read_text()
-    if start not in text:
-        text += f"\n{start}\n{end}\n"
-    head, _, rest = text.partition(start)
-    _, _, tail = rest.partition(end)
-    DOC.write_text(f"{head}{start}\n\n{table}\n\n{end}{tail}")
+    rm.write_marked("rotation", table)
 
 
 def main():
