@@ -84,6 +84,9 @@ def _rows(spec: str, text_field: str) -> list[tuple[Path, str | None]]:
 
 
 def _open_image(path: Path):
+    """The decoded RGB image and the file's bytes (read once: they are also hashed for the manifest)."""
+    import io
+
     from PIL import Image
 
     if not path.is_file():
@@ -94,11 +97,15 @@ def _open_image(path: Path):
         old = Image.MAX_IMAGE_PIXELS
         Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
         try:
-            with Image.open(path) as im:
-                return im.convert("RGB")
+            data = path.read_bytes()
+            with Image.open(io.BytesIO(data)) as im:
+                return im.convert("RGB"), data
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise UsageError(f"calibration image {path.name} decodes to more than {MAX_IMAGE_PIXELS} pixels",
                              "use smaller images") from None
+        except Image.UnidentifiedImageError:  # its text names the in-memory buffer, not the file
+            raise UsageError(f"calibration image {path.name} cannot be read (not an image format PIL decodes)",
+                             "give PNG, JPEG, WebP or BMP files") from None
         except (OSError, SyntaxError, ValueError) as e:
             raise UsageError(f"calibration image {path.name} cannot be read ({' '.join(str(e).split())[:160]})",
                              "give PNG, JPEG, WebP or BMP files") from None
@@ -179,9 +186,9 @@ def image_calibration(source, spec: str, text_field: str, num_samples: int, seq_
         r = order[w % len(rows)]
         if r not in made:
             path, _ = rows[r]
-            image = _open_image(path)
+            image, data = _open_image(path)
             pix = dict(processor(images=image, return_tensors="pt"))
-            digest.update(path.read_bytes())
+            digest.update(data)
             made[r] = (_layout(config, model_type, pix), pix)
         block, inputs = made[r]
         if len(bos) + len(block) >= seq_len:
