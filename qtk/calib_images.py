@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from itertools import islice
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,7 @@ def is_image_spec(spec: str | None) -> bool:
                 return isinstance(row, dict) and "image" in row
         return False
     if p.is_dir():
-        files = [c for c in p.iterdir() if c.is_file()]
+        files = [c for c in islice(p.iterdir(), MAX_IMAGE_ROWS + 1) if c.is_file()]  # a listing read only so far
         return bool(files) and all(c.suffix.lower() in IMAGE_SUFFIXES for c in files)
     return False
 
@@ -55,7 +56,7 @@ def is_image_spec(spec: str | None) -> bool:
 def _rows(spec: str, text_field: str) -> list[tuple[Path, str | None]]:
     p = Path(spec)
     if p.is_dir():
-        paths = sorted(c for c in p.iterdir() if c.is_file())[:MAX_IMAGE_ROWS + 1]
+        paths = sorted(c for c in islice(p.iterdir(), MAX_IMAGE_ROWS + 1) if c.is_file())
         rows = [(c, None) for c in paths]
     else:
         from qtk.bounds import read_text
