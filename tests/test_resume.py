@@ -198,3 +198,32 @@ def test_a_saved_layer_comes_back_with_every_qtensor_field(tmp_path):
     assert torch.equal(back.values, qt.values) and torch.equal(back.scale, qt.scale)
     assert set(back.extra) == {"global_scale"} and torch.equal(back.extra["global_scale"], qt.extra["global_scale"])
     assert back.dtype == torch.bfloat16 and back.scheme == qt.scheme
+
+
+def test_the_float_stream_is_saved_beside_the_next_inputs_and_required_back(tmp_path):
+    """A run that carries the float model's stream (AutoRound's target) saves it with the next layer's inputs and gets
+    both back; a state saved without it cannot go on with it (the layers after would train toward nothing), and says
+    how to start over."""
+    import torch
+
+    from qtk.convert.resume import ResumeState
+    from qtk.errors import UsageError
+    from qtk.pipeline import LayerResult
+
+    hidden = [torch.randn(2, 5, 8), torch.randn(1, 5, 8)]
+    floats = [h + 1 for h in hidden]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    state = ResumeState(tmp_path / "a", "k", num_layers=3)
+    state.save_layer(LayerResult(index=0, qweights={}, dense={}), hidden, floats)
+    q, f = ResumeState(tmp_path / "a", "k", num_layers=3).load_hidden(True)
+    assert all(torch.equal(a, b) for a, b in zip(q, hidden)) and len(q) == 2
+    assert all(torch.equal(a, b) for a, b in zip(f, floats)) and len(f) == 2
+    q, f = ResumeState(tmp_path / "a", "k", num_layers=3).load_hidden()
+    assert f is None and len(q) == 2
+
+    state = ResumeState(tmp_path / "b", "k", num_layers=3)
+    state.save_layer(LayerResult(index=0, qweights={}, dense={}), hidden)
+    with pytest.raises(UsageError) as e:
+        ResumeState(tmp_path / "b", "k", num_layers=3).load_hidden(True)
+    assert "damaged" in str(e.value) and "rerun" in e.value.fix

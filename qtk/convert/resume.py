@@ -209,8 +209,11 @@ class ResumeState:
         """Layer i's manifest (checked by _scan for the layers it found)."""
         return self._read_json(self.dir / _layer_name(i) / "manifest.json")
 
-    def save_layer(self, result, next_hidden: list[torch.Tensor] | None) -> None:
-        """Persist a finished layer: written in full under a temporary name, then renamed into place (the commit)."""
+    def save_layer(self, result, next_hidden: list[torch.Tensor] | None,
+                   next_float: list[torch.Tensor] | None = None) -> None:
+        """Persist a finished layer: written in full under a temporary name, then renamed into place (the commit).
+        next_hidden: the next layer's inputs; next_float: the float model's (a run that carries its stream), saved
+        beside them."""
         from qtk.io.safetensors import save_file
 
         i = result.index
@@ -243,8 +246,9 @@ class ResumeState:
             files["record.json"] = write_text(tmp / "record.json", json.dumps(record))
             if next_hidden is not None and i + 1 < self.num_layers:  # the last layer's outputs feed nothing
                 faults.fault_point("resume: write the next layer's inputs")
-                files["hidden.safetensors"] = save_file({f"b{j}": h.contiguous() for j, h in enumerate(next_hidden)},
-                                                        tmp / "hidden.safetensors")
+                hidden = {f"b{j}": h.contiguous() for j, h in enumerate(next_hidden)}
+                hidden.update({f"f{j}": h.contiguous() for j, h in enumerate(next_float or ())})
+                files["hidden.safetensors"] = save_file(hidden, tmp / "hidden.safetensors")
             manifest = {"layer": i, "files": {n: [(tmp / n).stat().st_size, sha] for n, sha in files.items()}}
             faults.fault_point("resume: write layer manifest")
             write_text(tmp / "manifest.json", json.dumps(manifest))
@@ -292,12 +296,22 @@ class ResumeState:
                            v_amax=s["v_amax"], weight_error=s["weight_error"], records=s["records"],
                            dense_linears=tuple(s["dense_linears"]))
 
-    def load_hidden(self) -> list[torch.Tensor]:
-        """The inputs of layer `completed`, saved with the layer before it."""
+    def load_hidden(self, floats: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The inputs of layer `completed`, saved with the layer before it, and with `floats` the float model's
+        (None without)."""
         from safetensors.torch import load_file
 
-        t = load_file(str(self._verified(self.completed - 1, "hidden.safetensors")))
-        return [t[f"b{j}"] for j in range(len(t))]
+        name = "hidden.safetensors"
+        t = load_file(str(self._verified(self.completed - 1, name)))
+        quantized = [t[f"b{j}"] for j in range(sum(k.startswith("b") for k in t))]
+        float_keys = [f"f{j}" for j in range(sum(k.startswith("f") for k in t))]
+        if len(quantized) + len(float_keys) != len(t) or not all(k in t for k in float_keys):
+            raise self._damaged_error(self.completed - 1, name)
+        if not floats:
+            return quantized, None
+        if len(float_keys) != len(quantized):  # a state saved without the float stream cannot go on with it
+            raise self._damaged_error(self.completed - 1, name)
+        return quantized, [t[k] for k in float_keys]
 
     def discard(self) -> None:
         faults.fault_point("resume: remove state")

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
+from torch.func import functional_call
 
 from qtk import interrupts
 from qtk.errors import UsageError
@@ -25,7 +26,7 @@ from qtk.pipeline.result import LayerDone, LayerResult, PipelineStats
 from qtk.quant.error import relative_error
 from qtk.pipeline.targets import check_group_size, target_linears
 from qtk.recipe import Recipe
-from qtk.steps import LOCAL, LayerContext, Phase, Reducer, in_frame, plan_steps, source_view
+from qtk.steps import LOCAL, LayerContext, Phase, Reducer, in_frame, needs_float_stream, plan_steps, source_view
 from qtk.steps.records import ExpertTokensRecord
 from qtk.steps.stats import ExpertTokens, KVAmax
 from qtk.steps.swap import swap_in
@@ -109,9 +110,24 @@ def _store_transformed(ctx: LayerContext) -> None:
                 p.copy_(p.to(ctx.dtype).float())
 
 
+def _float_outputs(ctx: LayerContext, float_batches) -> list[torch.Tensor]:
+    """The float model's hidden states after this layer: the layer with its float weights (after the transforms,
+    rounded to the layer's dtype as the solvers' float reference is) on the float model's inputs to it, each kept
+    where its batch is."""
+    float_w = {t + ".weight": ctx.weight(t).to(ctx.layer.get_submodule(t).weight.dtype) for t in ctx.targets}
+    keep = float_batches.keep if isinstance(float_batches, Activations) else (lambda j, y: y)
+    with torch.no_grad():
+        out = []
+        for j, (h, kw) in enumerate(float_batches):
+            y = functional_call(ctx.layer, float_w, (h,), kw)
+            out.append(keep(j, y[0] if isinstance(y, tuple) else y))
+    return out
+
+
 def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batches, targets: list[str], *,
-                  device=None, reducer: Reducer = LOCAL):
-    """Quantize one materialised layer; returns its LayerResult and the next layer's inputs."""
+                  device=None, reducer: Reducer = LOCAL, float_batches=None):
+    """Quantize one materialised layer; returns its LayerResult, the next layer's inputs and, given the float model's
+    inputs to this layer (`float_batches`, for a step that reads the float stream), its hidden states after it."""
     arch, dtype = source.arch.at(i), source.dtype
     prefix = source.layer_prefix(i)
     for t in targets:
@@ -126,6 +142,8 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
     run_phase(ctx, steps, Phase.TRANSFORM)
     if transformed:
         _store_transformed(ctx)
+    if float_batches is not None and batches:
+        ctx.float_outputs = _float_outputs(ctx, float_batches)
     run_phase(ctx, steps, Phase.OBSERVE)
     # the weights as they enter the solver, the reference of the errors below (swap_in replaces, never writes)
     weights = ctx.master or {t: layer.get_submodule(t).weight.detach() for t in targets}
@@ -175,7 +193,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
         records={k: r for k, r in records.items() if r.to_json()},  # a step that chose nothing leaves no record
         dense_linears=tuple(prefix + m for m in (*arch.linears, *arch.dense_linears) if m not in targets),
     )
-    return result, next_batches
+    return result, next_batches, ctx.float_outputs
 
 
 def _propagate(ctx: LayerContext):
@@ -240,24 +258,37 @@ def run(source, recipe: Recipe, calib_ids: torch.Tensor | None, sinks: list, *, 
     keep_hidden = bool(reducer.broadcast_object(resume is not None))
     if resume is not None:  # only the writing process holds the state; the others just skip to `start`
         replay_layers(resume, start, n, sinks, stats, on_layer)
+    # the float model's own hidden states, carried beside the quantized model's for a step that reads them (AutoRound's
+    # target); at layer 0 both streams are the embeddings' outputs
+    floats = [h for h, _ in batches] if batches is not None and needs_float_stream(recipe) else None
     if batches is not None and 0 < start < n:
-        hidden = resume.load_hidden() if resume is not None else None
+        hidden, saved_floats = resume.load_hidden(floats is not None) if resume is not None else (None, None)
         batches = [(h.to(device), kw) for h, (_, kw) in zip(_scatter_hidden(hidden, len(batches), reducer), batches)]
+        if floats is not None:
+            floats = [h.to(device) for h in _scatter_hidden(saved_floats, len(floats), reducer)]
     t_layers = time.perf_counter()
     with LayerPrefetch(source, skeleton, device, overlap) as prefetch, WriteBehind(sinks, resume, overlap) as writer:
         for i in range(start, n):
             targets = target_linears(source, recipe, i)
             layer = prefetch.get(i, n)
+            float_batches = None
             if batches is not None:
                 budget = activation_budget(device, _module_bytes(layer), max_device_memory)
+                if floats is not None and budget is not None:  # two streams share what the device can hold
+                    budget //= 2
                 batches = Activations(list(zip([h for h, _ in batches], layer_kwargs[i])), device, budget)
                 stats.spilled_batches += batches.spilled
-            result, batches = process_layer(source, recipe, i, layer, batches, targets, device=device, reducer=reducer)
-            del layer
+                if floats is not None:
+                    float_batches = Activations(list(zip(floats, layer_kwargs[i])), device, budget)
+                    stats.spilled_batches += float_batches.spilled
+            result, batches, floats = process_layer(source, recipe, i, layer, batches, targets, device=device,
+                                                    reducer=reducer, float_batches=float_batches)
+            del layer, float_batches
             stats.record(result)
             hidden = None
             if keep_hidden and batches is not None:
-                hidden = _gather_hidden([h for h, _ in batches], reducer)
+                hidden = (_gather_hidden([h for h, _ in batches], reducer),
+                          None if floats is None else _gather_hidden(floats, reducer))
             writer.put(result, hidden)
             done = LayerDone.of(result)
             del result, hidden
@@ -366,8 +397,9 @@ class WriteBehind:
     def _write(self, result: LayerResult, hidden) -> None:
         for s in self.sinks:
             s.add_layer(result)
-        if self.resume is not None:
-            self.resume.save_layer(result, hidden)
+        if self.resume is not None:  # hidden: (the quantized model's next inputs, the float model's or None) or None
+            quantized, floats = hidden if hidden is not None else (None, None)
+            self.resume.save_layer(result, quantized, floats)
 
     def put(self, result: LayerResult, hidden) -> None:
         self.call(self._write, result, hidden)

@@ -83,6 +83,9 @@ class StepParams:
     # the step repeats forward and backward passes of every layer (AutoRound): `qtk plan --recommend` ranks its recipe
     # after a one-pass solver's of the same class, whose conversion costs a fraction of it
     iterative = False
+    # the step reads the float model's own hidden states at each layer (LayerContext.float_outputs): the loop then
+    # carries them as a second stream beside the quantized one, through resume and every process
+    float_stream = False
 
     def cost(self, model: ModelCost) -> StepCost:
         """A step that looks at data observes each layer's inputs once; override what it adds beyond that."""
@@ -99,7 +102,7 @@ def declare_step(name: str, *, phase: Phase, solver: bool = False, conflicts: Ma
     not list together. title: how messages name it."""
 
     def deco(cls):
-        for attr in ("needs_data", "changes_frame", "iterative", "cost"):  # what a class that is no StepParams leaves out
+        for attr in ("needs_data", "changes_frame", "iterative", "float_stream", "cost"):  # what a class that is no StepParams leaves out
             if not hasattr(cls, attr):
                 setattr(cls, attr, getattr(StepParams, attr))
         cls.step_name = name
@@ -374,17 +377,25 @@ class AutoRoundParams(StepParams):
 
     iters: signed-gradient steps per layer (auto-round's default 200). lr: the rounding offsets' step (0: 1/iters,
     auto-round's default); minmax_lr: the clipping factors' (0: lr). minmax: learn the clipping factors too
-    (auto-round's enable_minmax_tuning). seed: the order the batches are drawn in. Int weights per channel or group,
-    weight-only (W4A16, W8A16, symmetric or not)."""
+    (auto-round's enable_minmax_tuning). seed: the order the batches are drawn in. target: what the layer's quantized
+    outputs (on the quantized model's inputs) are pulled toward: `model`, the float model's own hidden states after
+    this layer, carried through the loop as a second stream, so each layer also corrects the error of the layers
+    before it (auto-round's); `layer`, this layer's float outputs on the same quantized inputs (its own error only).
+    Int weights per channel or group, weight-only (W4A16, W8A16, symmetric or not)."""
 
     iters: int = 200
     lr: float = 0.0
     minmax_lr: float = 0.0
     minmax: bool = True
     seed: int = 0
+    target: str = "model"
 
     needs_data = True
     iterative = True
+
+    @property
+    def float_stream(self) -> bool:
+        return self.target == "model"
 
     @property
     def step_lr(self) -> float:
@@ -399,10 +410,17 @@ class AutoRoundParams(StepParams):
         forward and backward passes (about 3 forwards' FLOPs) over one calibration batch (convert's default
         --batch-size, 8 windows)."""
         batch_tokens = model.tokens * min(8, model.samples) // max(model.samples, 1)
-        return StepCost(input_passes=1, forward_flops=self.iters * 3 * 2 * model.layer_params * batch_tokens * model.layers,
-                        memory=model.tokens * model.widest * 4, memory_key="autoround_outputs",
-                        memory_label="AutoRound float outputs",
-                        memory_note="AutoRound: the layer's float outputs on every calibration window, the loss's target")
+        flops = self.iters * 3 * 2 * model.layer_params * batch_tokens * model.layers
+        outputs = model.tokens * model.widest * 4
+        if not self.float_stream:
+            return StepCost(input_passes=1, forward_flops=flops, memory=outputs, memory_key="autoround_outputs",
+                            memory_label="AutoRound float outputs",
+                            memory_note="AutoRound: the layer's float outputs on every calibration window, the loss's target")
+        # the float model's stream: its inputs to the layer beside the quantized ones, and its outputs (the target)
+        return StepCost(input_passes=1, forward_flops=flops, memory=2 * outputs, memory_key="autoround_outputs",
+                        memory_label="AutoRound float stream",
+                        memory_note="AutoRound: the float model's hidden states entering and leaving the layer on every "
+                                    "calibration window (the loss's target)")
 
     def validate(self, where: str) -> None:
         if not 0 < self.iters <= 100_000:
@@ -413,6 +431,9 @@ class AutoRoundParams(StepParams):
             raise UsageError(f"{where}.minmax_lr: must be in [0, 1] (0: lr), got {self.minmax_lr}", "use e.g. 0.005 or 0 for lr")
         if not 0 <= self.seed < 2**63:
             raise UsageError(f"{where}.seed: must be in [0, 2^63), got {self.seed}", "use e.g. 0")
+        if self.target not in ("model", "layer"):
+            raise UsageError(f"{where}.target: must be model or layer, got {self.target!r}",
+                             "use target: model (the float model's hidden states, auto-round's)")
 
     def check_recipe(self, recipe, origin: str) -> None:
         """Int weights per channel or group without activation quantization, in every scheme of the recipe."""

@@ -8,8 +8,10 @@ Importing this package registers the built-in steps."""
 from qtk.steps import autoround, awq, gptq, observe, rotate, rotate_online, rtn, smoothquant  # noqa: F401 (register the built-in steps)
 from qtk.steps.context import LayerContext
 from qtk.steps.records import StepRecord, in_frame, records_from_json, records_to_json
-from qtk.steps.registry import NO_PARAMS, STEPS, Phase, StepDef, plan_steps, register_step, source_view, unregister_step
+from qtk.steps.registry import (NO_PARAMS, STEPS, Phase, StepDef, needs_float_stream, plan_steps, register_step, source_view,
+                                unregister_step)
 from qtk.steps.stats import LOCAL, Reducer
 
 __all__ = ["LayerContext", "StepRecord", "in_frame", "records_from_json", "records_to_json", "NO_PARAMS", "STEPS",
-           "Phase", "StepDef", "plan_steps", "register_step", "source_view", "unregister_step", "LOCAL", "Reducer"]
+           "Phase", "StepDef", "needs_float_stream", "plan_steps", "register_step", "source_view", "unregister_step", "LOCAL",
+           "Reducer"]

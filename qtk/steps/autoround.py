@@ -13,6 +13,10 @@ point) of the clipped min / max as the format computes it and rounds it to its s
 rounding of w + V·s. The checkpoint is an ordinary one of that format: nothing of AutoRound is needed to decode it.
 Inputs are the layer's inputs as the loop propagates them (through the already-quantized layers above, auto-round's
 enable_quanted_input); the loop swaps the solved Linears in, so the next layer sees what the engine computes.
+The target (params.target) is by default the float model's own hidden states after this layer, which the loop
+carries beside the quantized stream (LayerContext.float_outputs): the quantized layer on the quantized model's inputs
+is pulled toward what the float model computes there, so it also corrects what the layers before it got wrong, as
+auto-round's blocks do; `target: layer` pulls it toward its own float outputs on the same inputs instead.
 """
 
 from __future__ import annotations
@@ -164,8 +168,12 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
     for p in frozen:  # only V and the factors are learned; the layer's own parameters take no gradient
         p.requires_grad_(False)
     try:
-        with torch.no_grad():  # the loss's target: the layer's outputs with its float weights
-            targets = [keep(j, _output(functional_call(layer, float_w, (h,), kw))) for j, (h, kw) in enumerate(batches)]
+        if params.float_stream:  # the float model's own hidden states after this layer, which the loop carries
+            targets = ctx.float_outputs
+            assert targets is not None and len(targets) == len(batches), "the loop carries no float stream"
+        else:
+            with torch.no_grad():  # this layer's outputs with its float weights on the same (quantized) inputs
+                targets = [keep(j, _output(functional_call(layer, float_w, (h,), kw))) for j, (h, kw) in enumerate(batches)]
         del float_w
         record = _learn(ctx, params, learners, dtypes, targets)
     finally:

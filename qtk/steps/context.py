@@ -34,6 +34,10 @@ class LayerContext:
     amax: dict[str, float] = field(default_factory=dict)  # relative name -> static input |x| max (OBSERVE)
     qweights: dict[str, QTensor] = field(default_factory=dict)  # relative name -> QTensor (SOLVE)
     records: dict[str, StepRecord] = field(default_factory=dict)  # step name -> what it chose
+    # the float model's own hidden states leaving this layer on every calibration batch (kept where each batch is),
+    # when a step asks for the float stream (its params' float_stream): the layer's float weights, after the
+    # transforms, run on the float model's inputs to it; the loop hands them to the next layer as its float inputs
+    float_outputs: list[torch.Tensor] | None = None
     _schemes: dict[str, ModuleScheme | None] = field(default_factory=dict, repr=False)
 
     def scheme(self, t: str) -> ModuleScheme:

@@ -16,7 +16,8 @@ from qtk.recipe import Recipe
 from qtk.recipe.params import STEP_PARAMS, Phase
 from qtk.registry import Registry
 
-__all__ = ["Phase", "StepDef", "STEPS", "NO_PARAMS", "register_step", "unregister_step", "plan_steps", "source_view"]
+__all__ = ["Phase", "StepDef", "STEPS", "NO_PARAMS", "register_step", "unregister_step", "plan_steps", "source_view",
+           "needs_float_stream"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +106,9 @@ def source_view(source, recipe: Recipe):
         if step.source_view is not None:
             source = step.source_view(source, params)
     return source
+
+
+def needs_float_stream(recipe: Recipe) -> bool:
+    """Whether a planned step reads the float model's own hidden states at each layer (its params' float_stream), so
+    the loop carries them beside the quantized model's."""
+    return any(getattr(params, "float_stream", False) for _, params in plan_steps(recipe))

@@ -43,7 +43,7 @@ class Collect:
     def add_layer(self, r):
         self.results.append(r)
 
-    def save_layer(self, r, hidden):
+    def save_layer(self, r, hidden, floats=None):
         self.hidden.append(hidden)
 
 

@@ -1,5 +1,7 @@
 """The autoround step (qtk.steps.autoround, SignRound): on every layer of a tiny model its quantized outputs are
-closer to the float ones than round-to-nearest's; with nothing learned it writes exactly RTN's codes and scales (so
+closer to the float ones than round-to-nearest's; it pulls the layer toward the float model's own hidden states,
+which the loop carries beside the quantized stream (or, with target: layer, toward the layer's float outputs on the
+quantized inputs); with nothing learned it writes exactly RTN's codes and scales (so
 the learned ones go through the format's own arithmetic); its checkpoints (int4 groups symmetric and asymmetric,
 int8 per channel) reload in transformers + compressed-tensors as qtk simulates them, pass `qtk inspect` and record
 each layer's losses; schemes it cannot learn and bad parameters are refused before any work; --resume after a
@@ -75,12 +77,18 @@ def solved_outputs(layer, i, source, recipe, batches, step, params, dtype=torch.
     layer = copy.deepcopy(layer)
     arch = source.arch.at(i)
     ctx = LayerContext(i, source.layer_prefix(i), layer, arch, recipe, list(arch.linears), batches, dtype)
+    with torch.no_grad():  # the batches are the float model's own inputs here: its stream after the layer, as the loop gives it
+        ctx.float_outputs = [_out(layer(h, **kw)) for h, kw in batches]
     record = step(ctx, params)
     for t, qt in ctx.qweights.items():
         swap_in(layer, t, qt, None, {})
     with torch.no_grad():
-        out = [layer(h, **kw) for h, kw in batches]
-    return [o[0] if isinstance(o, tuple) else o for o in out], ctx.qweights, record
+        out = [_out(layer(h, **kw)) for h, kw in batches]
+    return out, ctx.qweights, record
+
+
+def _out(y):
+    return y[0] if isinstance(y, tuple) else y
 
 
 @pytest.mark.parametrize("weights", [INT4_G32, INT4_G32_ASYM])
@@ -183,7 +191,7 @@ def test_a_scheme_it_cannot_learn_is_refused_before_any_work(tiny_llama, tmp_pat
 @pytest.mark.parametrize("params,needle", [
     ("{iters: 0}", "iters: must be in 1..100000"), ("{lr: -0.5}", "lr: must be in [0, 1]"),
     ("{minmax_lr: 2.0}", "minmax_lr: must be in [0, 1]"), ("{iter: 10}", "did you mean 'iters'"),
-    ("{iters: ten}", "expected int"),
+    ("{iters: ten}", "expected int"), ("{target: float}", "target: must be model or layer"),
 ])
 def test_bad_parameters_are_refused_in_one_line(tiny_llama, tmp_path, params, needle):
     p = tmp_path / "ar.yaml"
@@ -251,3 +259,82 @@ def test_qtk_tune_refuses_an_autoround_candidate_rather_than_dropping_its_solver
     assert str(e.value) == ("candidate w4a16-autoround is solved by autoround; qtk tune mixes schemes solved by rtn or "
                             "gptq — drop w4a16-autoround from --candidates or use its rtn/gptq variant (e.g. w4a16-gptq)")
     assert e.value.exit_code == 2
+
+
+class StreamSink:
+    """A sink with the resume protocol: every layer's next inputs, quantized and float, as the loop hands them on."""
+
+    completed = 0
+
+    def __init__(self):
+        self.hidden, self.floats = [], []
+
+    def add_dense(self, name, t):
+        pass
+
+    def add_layer(self, r):
+        pass
+
+    def save_layer(self, r, hidden, floats=None):
+        self.hidden.append(hidden)
+        self.floats.append(floats)
+
+
+def test_the_loop_carries_the_float_models_own_hidden_states(tmp_path):
+    """With AutoRound's default target the loop hands each layer the float model's hidden states beside the quantized
+    model's: after every layer they are transformers' own hidden states of the unquantized model, while the other
+    stream has moved away from them (the quantized layers' outputs). Without the float stream (target: layer, or
+    another solver) none is carried."""
+    from transformers import AutoModelForCausalLM
+
+    from qtk.pipeline import run
+
+    model_dir = make_tiny_model(tmp_path / "m", layers=4, hidden=128, intermediate=256, dtype=torch.float32)
+    src = ModelSource(model_dir)
+    ids = torch.randint(3, 90, (4, 24), generator=torch.Generator().manual_seed(3))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(ids, output_hidden_states=True).hidden_states  # embeddings, then each layer's (the last normed)
+    sink = StreamSink()
+    run(src, parse_recipe(yaml.safe_load(recipe_text(INT4_G32, iters=4)), "", "ar"), ids, [sink], batch_size=2,
+        resume=sink)
+    assert len(sink.floats) == 4
+    for i in range(3):
+        floats, quantized = torch.cat(sink.floats[i]), torch.cat(sink.hidden[i])
+        torch.testing.assert_close(floats, want[i + 1], rtol=1e-4, atol=1e-5)
+        assert (quantized - want[i + 1]).abs().max() > 1e-3, i
+    for text in (recipe_text(INT4_G32, iters=2).replace("{iters: 2}", "{iters: 2, target: layer}"),
+                 recipe_text(INT4_G32).replace("autoround: {iters: 30}", "gptq: {}")):
+        sink = StreamSink()
+        run(src, parse_recipe(yaml.safe_load(text), "", "x"), ids, [sink], batch_size=2, resume=sink)
+        assert sink.floats == [None] * 4 and all(h is not None for h in sink.hidden[:3])
+
+
+@pytest.mark.parametrize("target", ["model", "layer"])
+def test_the_first_loss_is_round_to_nearest_against_the_chosen_target(fp32_model, target):
+    """The loss AutoRound starts from (no offset, full ranges: round-to-nearest) is measured against the float model's
+    stream the loop hands it (target: model) or against the layer's own float outputs on its inputs (target: layer):
+    given quantized inputs and a float stream that differ, the first loss is the MSE to the one asked for."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(fp32_model), dtype=torch.float32).eval()
+    source = ModelSource(fp32_model)
+    recipe = parse_recipe(yaml.safe_load(recipe_text(INT4_G32)), "", "ar")
+    i, layer = 1, model.model.layers[1]
+    g = torch.Generator().manual_seed(4)
+    batches = [(h + 0.05 * torch.randn(h.shape, generator=g), kw) for h, kw in layer_batches(model, IDS)[i]]
+    with torch.no_grad():
+        stream = [_out(layer(h, **kw)) + 0.1 for h, kw in batches]  # not the layer's outputs on these inputs
+        own = [_out(layer(h, **kw)) for h, kw in batches]
+    rtn_out, _, _ = solved_outputs(layer, i, source, recipe, batches, rtn.run, RTNParams())
+
+    params = AutoRoundParams(iters=1, target=target)
+    ctx = LayerContext(i, source.layer_prefix(i), copy.deepcopy(layer), source.arch.at(i), recipe,
+                       list(source.arch.at(i).linears), batches, torch.float32)
+    ctx.float_outputs = stream
+    record = autoround.run(ctx, params)
+    j = autoround.batch_order(len(batches), 1, params.seed + i)[0]
+    ref = (stream if target == "model" else own)[j]
+    other = (own if target == "model" else stream)[j]
+    assert record.initial_loss == pytest.approx(float((rtn_out[j] - ref).pow(2).mean()), rel=1e-4)
+    assert abs(record.initial_loss - float((rtn_out[j] - other).pow(2).mean())) > 1e-3
