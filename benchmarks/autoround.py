@@ -3,7 +3,12 @@ round-to-nearest (w4a16), converted from the same calibration token ids, and wha
 GPTQ's step (time and peak memory, per step, summed over the layers).
 
     QTK_REAL_MODEL_DIR=... nice .venv/bin/python benchmarks/autoround.py [--recipes w4a16 w4a16-gptq w4a16-autoround]
-        [--iters 200] [--batch-size 8] [--num-samples 16] [--seq-len 512]
+        [--iters 200] [--batch-size 8] [--num-samples 16] [--seq-len 512] [--text a|b]
+
+A recipe name may carry a variant: `NAME:target=layer` sets the autoround step's parameters (here its target: the
+layer's own float outputs instead of the float model's stream), `NAME+rotate` lists the offline rotations (R1/R2,
+seed 0) before its steps, as benchmarks/rotation.py's `+ rotate`. --text b calibrates and scores on the second text
+set (benchmarks/real_model.py's), into benchmarks/results/autoround_b.json and its own table.
 
 Model, texts, calibration ids, group sizes (64 for int4: 128 does not divide hidden 576) and the perplexity method
 are benchmarks/real_model.py's (held-out perplexity through qtk's reader and simulated model, fp32); the measured
@@ -65,6 +70,27 @@ def with_iters(doc: dict, iters: int | None) -> dict:
     return {**doc, "algorithm": algo}
 
 
+def variant_doc(name: str, in_features) -> dict:
+    """The recipe document a benchmark name stands for: a built-in recipe, `+rotate` for the offline rotations listed
+    first, `:key=value,...` for the autoround step's parameters (values read as YAML)."""
+    import yaml
+
+    base, _, params = name.partition(":")
+    base, plus, extra = base.partition("+")
+    doc = rm.qtk_recipe_doc(base, in_features)
+    if plus:
+        doc = rot.rotated(doc, extra)
+    if params:
+        kv = dict(p.split("=", 1) for p in params.split(","))
+        doc["algorithm"] = [{"autoround": {**s["autoround"], **{k: yaml.safe_load(v) for k, v in kv.items()}}}
+                            if isinstance(s, dict) and "autoround" in s else s for s in doc["algorithm"]]
+    return {**doc, "name": _file_safe(name)}
+
+
+def _file_safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
 def losses(out: Path) -> dict:
     """Per layer, the autoround record's first and kept loss, from the checkpoint's qtk.json."""
     m = json.loads((out / "vllm" / "qtk.json").read_text())
@@ -75,7 +101,8 @@ def losses(out: Path) -> dict:
 
 def render(report: dict) -> str:
     s = report["settings"]
-    lines = [f"{s['num_samples']} x {s['seq_len']} calibration token ids shared by every conversion (batches of "
+    text = f"Text set {s['text']} (calib.jsonl to calibrate, heldout.jsonl scored). " if s.get("text") else ""
+    lines = [f"{text}{s['num_samples']} x {s['seq_len']} calibration token ids shared by every conversion (batches of "
              f"{s['batch_size']}); autoround with {s['iters']} iterations per layer (lr 1/iters); held-out perplexity "
              f"over {report['perplexity_tokens']} tokens in windows of {s['ppl_seq_len']} (unquantized: {report['unquantized_perplexity']:.3f}); "
              f"`nice`, {s['threads']} threads on a shared 2-core machine (times are indicative).", "",
@@ -98,8 +125,11 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+MARK = "autoround"  # the table's markers in docs/real-model.md (autoround-b for --text b)
+
+
 def write_doc(table: str) -> None:
-    rm.write_marked("autoround", table)
+    rm.write_marked(MARK, table)
 
 
 def main():
@@ -116,9 +146,19 @@ def main():
     ap.add_argument("--peer-python", type=Path, default=None,
                     help="a python with PyPI auto-round installed (a throwaway venv): also run intel/auto-round itself "
                          "on the same ids (benchmarks/_autoround_peer.py)")
-    ap.add_argument("--work", type=Path, default=HERE / "results" / "tmp" / "autoround")
-    ap.add_argument("--json", type=Path, default=HERE / "results" / "autoround.json")
+    ap.add_argument("--text", choices=sorted(rm.TEXT_SETS), default="a",
+                    help="text set (benchmarks/real_model.py's): a = licences / US Constitution, b = Debian handbook / "
+                         "Python tutorial")
+    ap.add_argument("--work", type=Path, default=None, help="[benchmarks/results/tmp/autoround, autoround_b with --text b]")
+    ap.add_argument("--json", type=Path, default=None, help="[benchmarks/results/autoround.json, autoround_b.json with "
+                    "--text b]")
     a = ap.parse_args()
+    global MARK
+    rm.TEXT = rm.ROOT / "examples" / rm.TEXT_SETS[a.text][0]
+    suffix = "" if a.text == "a" else f"_{a.text}"
+    MARK = "autoround" + suffix.replace("_", "-")
+    a.work = a.work or HERE / "results" / "tmp" / f"autoround{suffix}"
+    a.json = a.json or HERE / "results" / f"autoround{suffix}.json"
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[k] = str(a.threads)
     import torch
@@ -133,7 +173,8 @@ def main():
     del base
     print(f"unquantized perplexity {base_ppl:.4f}", flush=True)
     settings = {"num_samples": a.num_samples, "seq_len": a.seq_len, "seed": a.seed, "batch_size": a.batch_size,
-                "iters": a.iters or 200, "ppl_seq_len": a.ppl_seq_len, "threads": a.threads, "calib_ids_sha256_16": ids_hash(ids)}
+                "iters": a.iters or 200, "ppl_seq_len": a.ppl_seq_len, "threads": a.threads, "calib_ids_sha256_16": ids_hash(ids),
+                **({"text": f"examples/{rm.TEXT.name}"} if a.text != "a" else {})}
     results = {}
     prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
     if prev.get("settings") == settings:
@@ -145,14 +186,14 @@ def main():
             print(name, results[name], flush=True)
             save(a, results, settings, model, windows, base_ppl)
             continue
-        doc = with_iters(rm.qtk_recipe_doc(name, in_features), a.iters)
-        out = a.work / name
-        rfile = a.work / f"{name}.recipe.json"
+        doc = with_iters(variant_doc(name, in_features), a.iters)
+        out = a.work / doc["name"]
+        rfile = a.work / f"{doc['name']}.recipe.json"
         rfile.write_text(json.dumps(doc))
         shutil.rmtree(out, ignore_errors=True)
         wall, rss = vsl.run_measured([sys.executable, str(Path(__file__).resolve()), "_qtk", "--model", str(model),
                                       "--ids", str(ids_file), "--recipe", str(rfile), "--out", str(out),
-                                      "--batch-size", str(a.batch_size)], a.work / f"{name}.log")
+                                      "--batch-size", str(a.batch_size)], a.work / f"{doc['name']}.log")
         t = json.loads((out / "timings.json").read_text())
         ppl = rm.checkpoint_ppl(out / "vllm", windows)
         steps = {k: {"s": round(v["s"], 2), "peak_extra_rss_mb": round(v["peak_extra_rss_mb"]), "layers": v["layers"]}
