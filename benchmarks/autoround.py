@@ -7,7 +7,8 @@ GPTQ's step (time and peak memory, per step, summed over the layers).
 
 A recipe name may carry a variant: `NAME:target=layer` sets the autoround step's parameters (here its target: the
 layer's own float outputs instead of the float model's stream), `NAME+rotate` lists the offline rotations (R1/R2,
-seed 0) before its steps, as benchmarks/rotation.py's `+ rotate`. --text b calibrates and scores on the second text
+seed 0) before its steps, as benchmarks/rotation.py's `+ rotate`, and `NAME/autoround` solves the built-in recipe's
+formats with autoround instead of its own solver (e.g. `nvfp4/autoround`: NVFP4 W4A4 learned). --text b calibrates and scores on the second text
 set (benchmarks/real_model.py's), into benchmarks/results/autoround_b.json and its own table.
 
 Model, texts, calibration ids, group sizes (64 for int4: 128 does not divide hidden 576) and the perplexity method
@@ -77,7 +78,12 @@ def variant_doc(name: str, in_features) -> dict:
 
     base, _, params = name.partition(":")
     base, plus, extra = base.partition("+")
+    base, slash, solver = base.partition("/")
     doc = rm.qtk_recipe_doc(base, in_features)
+    if slash:  # the recipe's steps before its solver, then `solver` (autoround: the recipe's formats, learned)
+        kept = [s for s in doc.get("algorithm", []) if (next(iter(s)) if isinstance(s, dict) else s)
+                not in ("rtn", "gptq", "awq", "autoround")]
+        doc["algorithm"] = [*kept, {solver: {}}]
     if plus:
         doc = rot.rotated(doc, extra)
     if params:

@@ -381,7 +381,8 @@ class AutoRoundParams(StepParams):
     outputs (on the quantized model's inputs) are pulled toward: `model`, the float model's own hidden states after
     this layer, carried through the loop as a second stream, so each layer also corrects the error of the layers
     before it (auto-round's); `layer`, this layer's float outputs on the same quantized inputs (its own error only).
-    Int weights per channel or group, weight-only (W4A16, W8A16, symmetric or not)."""
+    Int weights per channel or group (W4A16, W8A16, W4A8; symmetric or not) and FP4 groups (NVFP4, MXFP4; W4A16 or
+    W4A4); quantized activations are fake-quantized as the engine does while the rounding is learned."""
 
     iters: int = 200
     lr: float = 0.0
@@ -436,15 +437,16 @@ class AutoRoundParams(StepParams):
                              "use target: model (the float model's hidden states, auto-round's)")
 
     def check_recipe(self, recipe, origin: str) -> None:
-        """Int weights per channel or group without activation quantization, in every scheme of the recipe."""
+        """Weights on a grid it learns on in every scheme of the recipe (Format.learned_grid: int per channel or group,
+        NVFP4, MXFP4); activations, if quantized, are quantized as the engine will while it learns."""
+        from qtk.quant.formats import format_for
+
         for m in recipe.schemes:
             w = m.weights
-            if w.type != "int" or w.scale_dtype is not None or w.strategy not in ("channel", "group"):
-                raise UsageError(f"{origin}: autoround learns int weights per channel or group, not {w.describe()}",
-                                 "use w4a16-autoround as a template (int4 groups), or gptq for FP4 (nvfp4-gptq)")
-            if m.activations is not None:
-                raise UsageError(f"{origin}: autoround solves weight-only schemes, but activations are quantized "
-                                 f"({m.activations.describe()})", "drop activations (W4A16 / W8A16) or use gptq")
+            if format_for(w).learned_grid(w) is None:
+                raise UsageError(f"{origin}: autoround learns int weights per channel or group and FP4 groups (NVFP4, "
+                                 f"MXFP4), not {w.describe()}",
+                                 "use w4a16-autoround or nvfp4-autoround as a template, or gptq / rtn for these weights")
 
 
 def parse_step_params(name: str, raw: Any, where: str):

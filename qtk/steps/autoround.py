@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from qtk.quant.formats import format_for
+from qtk.quant.formats import fake_quant_activation, format_for, static_scale
 from qtk.quant.formats.grouped import grouped, ungroup
+from qtk.quant.fp4 import FP4_MAX, fp4_decode, fp4_encode
 from qtk.quant.qtensor import QTensor
 from qtk.recipe.params import AutoRoundParams
 from qtk.steps.context import LayerContext
@@ -46,8 +47,8 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
 
 
 class Learner:
-    """One Linear's learned rounding: V, the clipping factors on each group's max (alpha) and min (beta), and the
-    fake-quantized weight they give, differentiable in all three."""
+    """One Linear's learned rounding on an integer grid: V, the clipping factors on each group's max (alpha) and
+    min (beta), and the fake-quantized weight they give, differentiable in all three."""
 
     def __init__(self, w: torch.Tensor, scheme, minmax: bool, scale_dtype: torch.dtype | None = None,
                  quotient_dtype: torch.dtype | None = None):
@@ -114,6 +115,104 @@ class Learner:
         return QTensor(values, ungroup(scale, s), s, None if zero is None else ungroup(zero, s), None, dtype)
 
 
+class FP4Learner:
+    """One Linear's learned rounding on the e2m1 grid of NVFP4 / MXFP4 (symmetric: no zero point, no min factor):
+    V and one clipping factor per group on its max |w|, from which the format makes the group's stored scale
+    (Format.group_scales_from_amax: NVFP4's fp8 scale under the tensor-wide global scale `extra`, MXFP4's power of
+    two). The stored scale's rounding and the e2m1 rounding are passed through to the gradient."""
+
+    def __init__(self, w: torch.Tensor, scheme, minmax: bool, model_dtype: torch.dtype, extra=None):
+        self.scheme, self.shape, self.dtype, self.extra = scheme, w.shape, model_dtype, extra
+        self.fmt = format_for(scheme)
+        out, inp = w.shape
+        self.wg = w.detach().float().reshape(out, inp // scheme.group_size, scheme.group_size)
+        self.amax = self.wg.abs().amax(-1)  # [out, G]
+        self.v = torch.zeros_like(self.wg, requires_grad=True)
+        self.alpha = torch.ones_like(self.amax, requires_grad=minmax)
+
+    def round_params(self) -> list[torch.Tensor]:
+        return [self.v]
+
+    def clip_params(self) -> list[torch.Tensor]:
+        return [self.alpha] if self.alpha.requires_grad else []
+
+    def _scales(self):
+        """The stored QParams of the clipped groups and their decode multiplier [out, G, 1], the latter equal in value
+        to the format's and differentiable in alpha as amax·alpha / 6 (the stored scale's rounding passed through)."""
+        clipped = self.amax * self.alpha
+        qp, eff = self.fmt.group_scales_from_amax(clipped.detach(), self.scheme, self.dtype, self.extra)
+        raw = clipped / FP4_MAX
+        return qp, (raw + (eff - raw).detach()).unsqueeze(-1)
+
+    def qdq(self) -> torch.Tensor:
+        _, eff = self._scales()
+        y = (self.wg / eff + self.v).clamp(-FP4_MAX, FP4_MAX)
+        q = y + (fp4_decode(fp4_encode(y.detach())) - y).detach()
+        return (q * eff).reshape(self.shape)
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p.detach().clone() for p in (self.v, self.alpha))
+
+    def restore(self, state: tuple[torch.Tensor, ...]) -> None:
+        with torch.no_grad():
+            for p, x in zip((self.v, self.alpha), state):
+                p.copy_(x)
+
+    def qtensor(self, dtype: torch.dtype) -> QTensor:
+        """The QTensor through the format: the clipped groups' stored scales, codes the format's rounding of
+        w + V·(decoded scale), i.e. of w / scale + V."""
+        with torch.no_grad():
+            qp, eff = self._scales()
+            values = self.fmt.quantize((self.wg + self.v * eff).reshape(self.shape), qp, self.scheme)
+        return QTensor.of(values, qp, self.scheme, dtype)
+
+
+def learners_for(ctx: LayerContext, names: list[str], minmax: bool) -> dict:
+    """A learner for each of `names` on its format's grid (Format.learned_grid; the recipe check refused the
+    others); FP4 weights the engines fuse (q/k/v, gate/up) share the tensor-wide part of their scales (NVFP4's
+    global scale, from their joint max) as round-to-nearest's and GPTQ's do."""
+    extras: dict[str, dict | None] = {}
+    for g in ctx.arch.fusion_groups:
+        members = [m for m in g if m in names]
+        if members:
+            s = ctx.scheme(members[0]).weights
+            fmt = format_for(s)
+            if fmt.tensor_wide(s):
+                extra = fmt.shared_extra([ctx.weight(m) for m in members], s, ctx.dtype)
+                extras.update({m: extra for m in members})
+    out = {}
+    for t in names:
+        s = ctx.scheme(t).weights
+        fmt = format_for(s)
+        w = ctx.weight(t).to(ctx.device)
+        if fmt.learned_grid(s) == "fp4":
+            extra = extras.get(t) or (fmt.shared_extra([w], s, ctx.dtype) if fmt.tensor_wide(s) else None)
+            out[t] = FP4Learner(w, s, minmax, ctx.dtype, extra)
+        else:
+            out[t] = Learner(w, s, minmax, fmt.scale_dtype(s, ctx.dtype), fmt.quotient_dtype(ctx.dtype))
+    return out
+
+
+def quantize_inputs(ctx: LayerContext, names: list[str]) -> list:
+    """Forward pre-hooks that quantize each quantized Linear's input as the engine will (its activation scheme, with
+    the static scale OBSERVE measured where the scheme has one), passed through to the gradient: the rounding is
+    learned for the inputs the engine computes with (W4A8, NVFP4 W4A4). Returns the hooks' handles."""
+    handles = []
+    for t in names:
+        act = ctx.scheme(t).engine_activations
+        if act is None:
+            continue
+        scale = static_scale(ctx.amax[t], act) if act.has_static_scale else None
+
+        def hook(module, args, _act=act, _scale=scale):
+            x = args[0]
+            xq = fake_quant_activation(x.detach(), _act, _scale)
+            return (x + (xq - x).detach(), *args[1:])
+
+        handles.append(ctx.layer.get_submodule(t).register_forward_pre_hook(hook))
+    return handles
+
+
 @register_record
 @dataclass
 class AutoRoundRecord(StepRecord):
@@ -156,12 +255,7 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
     layer, batches = ctx.layer, ctx.batches
     names = list(ctx.targets)
     dtypes = {t: layer.get_submodule(t).weight.dtype for t in names}
-    learners = {}
-    for t in names:
-        s = ctx.scheme(t).weights
-        fmt = format_for(s)
-        learners[t] = Learner(ctx.weight(t).to(ctx.device), s, params.minmax, fmt.scale_dtype(s, ctx.dtype),
-                              fmt.quotient_dtype(ctx.dtype))
+    learners = learners_for(ctx, names, params.minmax)
     float_w = {t + ".weight": ctx.weight(t).to(dtypes[t]) for t in names}  # the transformed weights, if any
     keep = getattr(batches, "keep", lambda j, y: y)
     frozen = [p for p in layer.parameters() if p.requires_grad]
@@ -175,7 +269,12 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
             with torch.no_grad():  # this layer's outputs with its float weights on the same (quantized) inputs
                 targets = [keep(j, _output(functional_call(layer, float_w, (h,), kw))) for j, (h, kw) in enumerate(batches)]
         del float_w
-        record = _learn(ctx, params, learners, dtypes, targets)
+        hooks = quantize_inputs(ctx, names)  # the target stays float: only the learning sees quantized inputs
+        try:
+            record = _learn(ctx, params, learners, dtypes, targets)
+        finally:
+            for h in hooks:
+                h.remove()
     finally:
         for p in frozen:
             p.requires_grad_(True)

@@ -43,6 +43,11 @@ def recipe_text(weights: str, iters: int = 30, name: str = "ar") -> str:
 INT4_G32 = "{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}"
 INT4_G32_ASYM = "{num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}"
 INT8_CHANNEL = "{num_bits: 8, type: int, symmetric: true, strategy: channel}"
+NVFP4 = "{num_bits: 4, type: float, strategy: tensor_group, group_size: 16}"
+MXFP4 = "{num_bits: 4, type: float, symmetric: true, strategy: group, group_size: 32, scale_dtype: e8m0}"
+NVFP4_W4A4 = (NVFP4 + "\nactivations: {num_bits: 4, type: float, strategy: tensor_group, group_size: 16, dynamic: local}")
+INT4_W4A8 = ("{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}"
+             "\nactivations: {num_bits: 8, type: int, symmetric: true, strategy: token, dynamic: true}")
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +76,32 @@ def layer_batches(model, ids):
     return seen
 
 
+def input_amax(layer, names, batches) -> dict[str, float]:
+    """Each Linear's largest |input| over the batches (what OBSERVE measures for a static activation scale)."""
+    amax = {t: 0.0 for t in names}
+    hs = [layer.get_submodule(t).register_forward_pre_hook(
+        lambda m, a, _t=t: amax.__setitem__(_t, max(amax[_t], float(a[0].abs().max())))) for t in names]
+    with torch.no_grad():
+        for h, kw in batches:
+            layer(h, **kw)
+    for h in hs:
+        h.remove()
+    return amax
+
+
 def solved_outputs(layer, i, source, recipe, batches, step, params, dtype=torch.float32):
-    """The layer's outputs on its batches once `step` solved its weights and the engine's view is swapped in, and
-    the step's QTensors and record (dtype: the model's, which scales and int quotients are rounded to)."""
+    """The layer's outputs on its batches once `step` solved its weights and the engine's view is swapped in (inputs
+    quantized as the recipe's activations say), and the step's QTensors and record (dtype: the model's, which scales
+    and int quotients are rounded to)."""
     layer = copy.deepcopy(layer)
     arch = source.arch.at(i)
     ctx = LayerContext(i, source.layer_prefix(i), layer, arch, recipe, list(arch.linears), batches, dtype)
     with torch.no_grad():  # the batches are the float model's own inputs here: its stream after the layer, as the loop gives it
         ctx.float_outputs = [_out(layer(h, **kw)) for h, kw in batches]
+    ctx.amax = input_amax(layer, ctx.targets, batches)
     record = step(ctx, params)
     for t, qt in ctx.qweights.items():
-        swap_in(layer, t, qt, None, {})
+        swap_in(layer, t, qt, ctx.scheme(t).engine_activations, ctx.amax)
     with torch.no_grad():
         out = [_out(layer(h, **kw)) for h, kw in batches]
     return out, ctx.qweights, record
@@ -91,7 +111,7 @@ def _out(y):
     return y[0] if isinstance(y, tuple) else y
 
 
-@pytest.mark.parametrize("weights", [INT4_G32, INT4_G32_ASYM])
+@pytest.mark.parametrize("weights", [INT4_G32, INT4_G32_ASYM, NVFP4, MXFP4, NVFP4_W4A4, INT4_W4A8])
 def test_autoround_lowers_every_layers_output_error_below_rtn(fp32_model, weights):
     from transformers import AutoModelForCausalLM
 
@@ -125,7 +145,7 @@ def test_with_nothing_learned_it_writes_rtns_codes_and_scales(fp32_model, tiny_l
     src = fp32_model if dtype == torch.float32 else tiny_llama
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     source = ModelSource(src)
-    for weights in (INT4_G32, INT4_G32_ASYM, INT8_CHANNEL):
+    for weights in (INT4_G32, INT4_G32_ASYM, INT8_CHANNEL, NVFP4, MXFP4):
         recipe = parse_recipe(yaml.safe_load(recipe_text(weights)), "", "ar")
         batches = layer_batches(model, IDS)[0]
         layer = model.model.layers[0]
@@ -135,6 +155,8 @@ def test_with_nothing_learned_it_writes_rtns_codes_and_scales(fp32_model, tiny_l
         for t in want:
             assert torch.equal(got[t].values, want[t].values), (weights, t)
             assert torch.equal(got[t].scale, want[t].scale), (weights, t)
+            assert sorted(got[t].extra) == sorted(want[t].extra), (weights, t)  # NVFP4's global scale, shared when fused
+            assert all(torch.equal(got[t].extra[k], want[t].extra[k]) for k in want[t].extra), (weights, t)
             assert (got[t].zero_point is None) == (want[t].zero_point is None)
             if want[t].zero_point is not None:
                 assert torch.equal(got[t].zero_point.float(), want[t].zero_point.float())
@@ -145,7 +167,7 @@ def _logits(model):
         return model(IDS).logits
 
 
-@pytest.mark.parametrize("weights", [INT4_G32, INT4_G32_ASYM, INT8_CHANNEL])
+@pytest.mark.parametrize("weights", [INT4_G32, INT4_G32_ASYM, INT8_CHANNEL, NVFP4, MXFP4])
 def test_the_checkpoint_is_an_ordinary_one_that_reloads_as_simulated(tiny_llama, calib_file, tmp_path, weights):
     """The vllm checkpoint reloads in transformers + compressed-tensors equal to qtk's simulation, passes inspect,
     holds codes other than round-to-nearest's (the learned rounding is what is stored) and records each layer's
@@ -173,8 +195,8 @@ def test_the_checkpoint_is_an_ordinary_one_that_reloads_as_simulated(tiny_llama,
 
 
 @pytest.mark.parametrize("weights,needle", [
-    ("{num_bits: 4, type: float, strategy: tensor_group, group_size: 16}", "autoround learns int weights"),
-    (INT4_G32 + "\nactivations: {num_bits: 8, type: int, strategy: token, dynamic: true}", None),
+    ("{num_bits: 8, type: float, strategy: channel}", "autoround learns int weights"),
+    ("{num_bits: 8, type: int, symmetric: true, strategy: tensor}", "autoround learns int weights"),
 ])
 def test_a_scheme_it_cannot_learn_is_refused_before_any_work(tiny_llama, tmp_path, weights, needle):
     p = tmp_path / "ar.yaml"
@@ -184,7 +206,7 @@ def test_a_scheme_it_cannot_learn_is_refused_before_any_work(tiny_llama, tmp_pat
                            prog_name="qtk")
     lines = message_lines(r.output)
     assert r.exit_code == 2 and len(lines) == 1, r.output
-    assert ("w4a16-autoround" in lines[0] if needle else "weight-only" in lines[0]), lines[0]
+    assert needle in lines[0] and "w4a16-autoround or nvfp4-autoround as a template" in lines[0], lines[0]
     assert not (tmp_path / "o").exists()
 
 
@@ -310,16 +332,18 @@ def test_the_loop_carries_the_float_models_own_hidden_states(tmp_path):
         assert sink.floats == [None] * 4 and all(h is not None for h in sink.hidden[:3])
 
 
-@pytest.mark.parametrize("target", ["model", "layer"])
-def test_the_first_loss_is_round_to_nearest_against_the_chosen_target(fp32_model, target):
+@pytest.mark.parametrize("target,weights", [("model", INT4_G32), ("layer", INT4_G32), ("model", NVFP4_W4A4),
+                                            ("model", INT4_W4A8)])
+def test_the_first_loss_is_round_to_nearest_against_the_chosen_target(fp32_model, target, weights):
     """The loss AutoRound starts from (no offset, full ranges: round-to-nearest) is measured against the float model's
     stream the loop hands it (target: model) or against the layer's own float outputs on its inputs (target: layer):
-    given quantized inputs and a float stream that differ, the first loss is the MSE to the one asked for."""
+    given quantized inputs and a float stream that differ, the first loss is the MSE to the one asked for. With
+    quantized activations (W4A4, W4A8) it is round-to-nearest's layer as the engine runs it, inputs quantized."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(fp32_model), dtype=torch.float32).eval()
     source = ModelSource(fp32_model)
-    recipe = parse_recipe(yaml.safe_load(recipe_text(INT4_G32)), "", "ar")
+    recipe = parse_recipe(yaml.safe_load(recipe_text(weights)), "", "ar")
     i, layer = 1, model.model.layers[1]
     g = torch.Generator().manual_seed(4)
     batches = [(h + 0.05 * torch.randn(h.shape, generator=g), kw) for h, kw in layer_batches(model, IDS)[i]]
@@ -332,6 +356,7 @@ def test_the_first_loss_is_round_to_nearest_against_the_chosen_target(fp32_model
     ctx = LayerContext(i, source.layer_prefix(i), copy.deepcopy(layer), source.arch.at(i), recipe,
                        list(source.arch.at(i).linears), batches, torch.float32)
     ctx.float_outputs = stream
+    ctx.amax = input_amax(layer, ctx.targets, batches)
     record = autoround.run(ctx, params)
     j = autoround.batch_order(len(batches), 1, params.seed + i)[0]
     ref = (stream if target == "model" else own)[j]

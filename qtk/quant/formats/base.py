@@ -200,6 +200,20 @@ class Format:
         that gives the same bits with fewer passes (the data-free stream's fast path); None where it does not."""
         return None
 
+    def learned_grid(self, scheme: QuantScheme) -> str | None:
+        """The grid AutoRound (qtk.steps.autoround) learns rounding offsets and clipping on for weights of `scheme`:
+        "int" (a uniform grid with per-channel or per-group scales and zero points: scale_zero, quantize_grouped),
+        "fp4" (e2m1 values with a scale per group taken from the group's max |w|: group_scales_from_amax), or None
+        where it cannot (per-tensor or block scales, fp8 elements)."""
+        return None
+
+    def group_scales_from_amax(self, amax: "torch.Tensor", scheme: QuantScheme, model_dtype: "torch.dtype",
+                               extra: "dict[str, torch.Tensor] | None" = None) -> "tuple[QParams, torch.Tensor]":
+        """For an "fp4" learned grid: the QParams (stored group scales, and `extra`, the tensor-wide part) of groups
+        whose max |w| is `amax` [out, G] (float32), as qparams computes them from a weight with those maxima, and
+        the float32 multiplier [out, G] each group's e2m1 values decode with."""
+        raise NotImplementedError
+
     def tensor_wide(self, scheme: QuantScheme) -> bool:
         """Whether qparams hold a tensor-wide part beyond the per-group scales (NVFP4's global scale), which GPTQ fixes
         before its column loop and fusion groups share."""

@@ -96,6 +96,9 @@ class IntFormat(GroupedFormat):
     def storage_dtype(self, scheme: QuantScheme) -> torch.dtype:
         return torch.int8
 
+    def learned_grid(self, scheme: QuantScheme) -> str | None:
+        return "int" if scheme.strategy in (Strategy.CHANNEL, Strategy.GROUP) else None
+
     def has_zero_point(self, scheme: QuantScheme) -> bool:
         return not scheme.symmetric
 

@@ -109,7 +109,11 @@ def mx_scales(x: torch.Tensor, elem: str, rule: str = "compressed-tensors") -> t
     x = x.detach()
     if x.dtype not in _bits():
         x = x.float()
-    amax = _grouped(x).abs().amax(-1)  # [..., n/32], in x's dtype
+    return _codes_of_amax(_grouped(x).abs().amax(-1), elem, rule)  # amax [..., n/32], in x's dtype
+
+
+def _codes_of_amax(amax: torch.Tensor, elem: str, rule: str = "compressed-tensors") -> torch.Tensor:
+    """E8M0 scale codes of blocks whose max |x| is amax (float32 / bf16 / fp16) under `rule`."""
     if rule == "modelopt":
         e = torch.ceil(torch.log2(amax.float() / ELEM_MAX[elem]))  # the +127 bias below
     else:
@@ -207,6 +211,13 @@ class MXFormat(Format):
 
     def group_qparams(self, cols, scheme, model_dtype, qp=None):
         return self.qparams(cols, scheme, model_dtype)  # one block: [out, 1]
+
+    def learned_grid(self, scheme):
+        return "fp4" if scheme.num_bits == 4 else None
+
+    def group_scales_from_amax(self, amax, scheme, model_dtype, extra=None):
+        scale = e8m0_decode(_codes_of_amax(amax.float(), _elem(scheme)))
+        return QParams(scale), scale.float()
 
     def _round(self, y: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
         if scheme.num_bits == 4:

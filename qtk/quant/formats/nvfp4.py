@@ -112,7 +112,11 @@ def _group_scales(w: torch.Tensor, gs: torch.Tensor, model_dtype: torch.dtype, g
     """fp8(gs · amax(group)/6) as float32 [out, in/group]; amax/6 rounded to the model dtype first, as
     compressed-tensors computes it on the model's weights (nvfp4.nvfp4_group_scales)."""
     out, inp = w.shape
-    amax = w.float().reshape(out, inp // group, group).abs().amax(-1)
+    return _scales_of_amax(w.float().reshape(out, inp // group, group).abs().amax(-1), gs, model_dtype)
+
+
+def _scales_of_amax(amax: torch.Tensor, gs: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+    """fp8(gs · amax/6) as float32, amax [out, G] float32 (each group's max |w|)."""
     local = (amax / FP4_MAX).to(model_dtype).float()
     s = (gs.float().reshape(()) * local).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
     return torch.where(s == 0, _ZERO_SCALE, s)
@@ -200,6 +204,14 @@ class NVFP4Format(Format):
 
     def group_qparams(self, cols, scheme, model_dtype, qp=None):
         return QParams(_group_scales(cols, qp.extra[GLOBAL], model_dtype, cols.shape[1]))
+
+    def learned_grid(self, scheme):
+        return "fp4"
+
+    def group_scales_from_amax(self, amax, scheme, model_dtype, extra=None):
+        scale = _scales_of_amax(amax, extra[GLOBAL], model_dtype)
+        qp = QParams(scale, None, dict(extra))
+        return qp, self._effective(scale, qp)
 
     @staticmethod
     def _effective(scale: torch.Tensor, qp: QParams) -> torch.Tensor:
