@@ -81,6 +81,18 @@ def two_ranks(model, calib_file, tmp_path_factory):
                              "fault": {"ranks": [0, 1], "after": 1, "raise": "crash"}}], join=False)))
     res.update(jobs_only(launch(tmp, [{"name": "resumed", "model": str(model), "recipe": "w4a16-gptq",
                                        "out": str(tmp / "resumed"), "options": opts}], join=False)))
+    # AutoRound carries the float model's stream beside the quantized one: both are gathered into rank 0's resume
+    # state and scattered back to each rank's windows
+    ar = tmp / "ar.yaml"
+    ar.write_text("name: ar\nweights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}\n"
+                  "algorithm:\n  - autoround: {iters: 4}\nignore: [lm_head]\n")
+    res.update(jobs_only(launch(tmp, [{"name": "ar", "model": str(model), "recipe": str(ar), "out": str(tmp / "ar"),
+                                       "options": _options(calib_file)}])))
+    res.update(jobs_only(launch(tmp, [{"name": "ar-interrupted", "model": str(model), "recipe": str(ar),
+                                       "out": str(tmp / "ar-resumed"), "options": opts,
+                                       "fault": {"ranks": [0, 1], "after": 1, "raise": "crash"}}], join=False)))
+    res.update(jobs_only(launch(tmp, [{"name": "ar-resumed", "model": str(model), "recipe": str(ar),
+                                       "out": str(tmp / "ar-resumed"), "options": opts}], join=False)))
     return tmp, res
 
 
@@ -151,15 +163,19 @@ def test_two_ranks_write_the_bytes_one_rank_writes(recipe, two_ranks, model, cal
     assert sorted(p.name for p in (root / recipe).iterdir()) == ["vllm"]
 
 
-def test_resume_with_two_ranks_is_byte_identical(two_ranks):
+@pytest.mark.parametrize("name,ref", [("resumed", "w4a16-gptq"), ("ar-resumed", "ar")])
+def test_resume_with_two_ranks_is_byte_identical(two_ranks, name, ref):
     """Interrupted on both ranks after a layer (state kept by rank 0), continued by 2 ranks with --resume: the files
-    are byte-identical to an uninterrupted 2-rank run's."""
+    are byte-identical to an uninterrupted 2-rank run's. With AutoRound the float model's stream comes back too (a
+    wrong one would pull the later layers elsewhere)."""
     root, res = two_ranks
-    assert not any(o["ok"] for o in res["interrupted"]), res["interrupted"]
-    assert res["interrupted"][0]["type"] in ("Crash", "PeerFailed"), res["interrupted"]
-    assert all(o["ok"] for o in res["resumed"]), (res["resumed"], res["_logs"])
-    assert res["resumed"][0]["messages"] == ["resumed at layer 1 of 3"]
-    ref, got = root / "w4a16-gptq" / "vllm", root / "resumed" / "vllm"
+    interrupted = name.replace("resumed", "interrupted")
+    assert not any(o["ok"] for o in res[interrupted]), res[interrupted]
+    assert res[interrupted][0]["type"] in ("Crash", "PeerFailed"), res[interrupted]
+    assert all(o["ok"] for o in res[ref]), (res[ref], res["_logs"])
+    assert all(o["ok"] for o in res[name]), (res[name], res["_logs"])
+    assert res[name][0]["messages"] == ["resumed at layer 1 of 3"]
+    ref, got = root / ref / "vllm", root / name / "vllm"
     names = sorted(p.name for p in ref.iterdir() if p.name not in ("qtk.json", "README.md"))
     assert names == sorted(p.name for p in got.iterdir() if p.name not in ("qtk.json", "README.md"))
     for n in names:
