@@ -403,8 +403,10 @@ def _judge_values(m: str, lin: _Linear, fmt, found: _Findings, rep: CheckReport)
     qt = lin.qt
     s = qt.scheme  # the scheme the config gives this module: its bound, its grid
     rep.modules[m] = f"{str(qt.values.dtype).replace('torch.', '')} {list(qt.shape)} {s.describe()}"
-    # finite and positive in one pass: NaN propagates through aminmax, so a NaN scale fails too
-    lo_s, hi_s = (float(x) for x in torch.aminmax(qt.scale.float())) if qt.scale.numel() else (1.0, 1.0)
+    # finite and positive in one pass: NaN propagates through aminmax, so a NaN scale fails too; an int grid may
+    # store negative scales (Format.signed_scales: the full-range grid): their magnitude is held positive
+    scale = qt.scale.float().abs() if fmt.signed_scales(s) else qt.scale.float()
+    lo_s, hi_s = (float(x) for x in torch.aminmax(scale)) if qt.scale.numel() else (1.0, 1.0)
     if not (lo_s > 0 and hi_s < math.inf):
         found.bad_scale.append(m)
     v = qt.values.reshape(-1)
@@ -530,7 +532,7 @@ def _report_linears(ck, mods: list[str], recipe, recipe_problem: str | None, sou
     if recipe is not None or recipe_problem:
         rep.add(RECIPE_AGREES, [recipe_problem] if recipe_problem else _recipe_disagreements(ck, mods, recipe),
                 f"{len(mods)} quantized Linears as the recipe says")
-    rep.add("weight scales finite and positive", found.bad_scale)
+    rep.add("weight scales finite and positive (an int grid's in magnitude)", found.bad_scale)
     for name, problems in found.scale_checks.items():
         rep.add(name, problems + _fused_shared_problems(found.shared, arch))
     rep.add("quantized weights not constant", found.constant)

@@ -381,6 +381,10 @@ class AutoRoundParams(StepParams):
     outputs (on the quantized model's inputs) are pulled toward: `model`, the float model's own hidden states after
     this layer, carried through the loop as a second stream, so each layer also corrects the error of the layers
     before it (auto-round's); `layer`, this layer's float outputs on the same quantized inputs (its own error only).
+    full_range: a symmetric int grid's scales start at amax / -qmin (amax / 8 for int4), signed so that each group's
+    larger-magnitude extreme is exactly the most negative code (auto-round's int_sym, llama.cpp's), instead of
+    compressed-tensors' amax / ((qmax - qmin) / 2); the checkpoint then stores negative scales, which decode as q · s
+    (vLLM runs them: tests/engine).
     Int weights per channel or group (W4A16, W8A16, W4A8; symmetric or not) and FP4 groups (NVFP4, MXFP4; W4A16 or
     W4A4); quantized activations are fake-quantized as the engine does while the rounding is learned."""
 
@@ -390,6 +394,7 @@ class AutoRoundParams(StepParams):
     minmax: bool = True
     seed: int = 0
     target: str = "model"
+    full_range: bool = True
 
     needs_data = True
     iterative = True

@@ -51,8 +51,11 @@ class Learner:
     min (beta), and the fake-quantized weight they give, differentiable in all three."""
 
     def __init__(self, w: torch.Tensor, scheme, minmax: bool, scale_dtype: torch.dtype | None = None,
-                 quotient_dtype: torch.dtype | None = None):
+                 quotient_dtype: torch.dtype | None = None, full_range: bool = False):
         self.scheme, self.shape, self.scale_dtype, self.half = scheme, w.shape, scale_dtype, quotient_dtype
+        self.fmt = format_for(scheme)
+        # the full-range symmetric grid (IntFormat.full_range_scale): signed scales, a group's larger extreme on qmin
+        self.full = full_range and scheme.symmetric and self.fmt.signed_scales(scheme)
         self.wg = grouped(w.detach().float(), scheme)  # [out, groups, group]
         self.xmin = self.wg.amin(-1, keepdim=True).clamp_max(0)
         self.xmax = self.wg.amax(-1, keepdim=True).clamp_min(0)
@@ -74,13 +77,18 @@ class Learner:
         descent leaves many of them, are then decided by the scale the engine decodes with."""
         s = self.scheme
         hi, lo = self.xmax * self.alpha, self.xmin * self.beta
-        if s.symmetric:
+        if self.full:  # the format's signed, rounded scale, differentiable as its magnitude amax / -qmin
+            exact = self.fmt.full_range_scale(lo.detach(), hi.detach(), s, self.scale_dtype)
+            raw = torch.maximum(hi, -lo) / -s.qmin * exact.sign()
+            scale = raw + (exact - raw).detach()
+        elif s.symmetric:
             scale = torch.maximum(hi, -lo) / ((s.qmax - s.qmin) / 2)
         else:
             scale = (hi - lo) / (s.qmax - s.qmin)
-        scale = scale.clamp_min(_TINY)
-        if self.scale_dtype is not None:
-            scale = scale + (scale.to(self.scale_dtype).float() - scale).detach()
+        if not self.full:
+            scale = scale.clamp_min(_TINY)
+            if self.scale_dtype is not None:
+                scale = scale + (scale.to(self.scale_dtype).float() - scale).detach()
         q = self._rounded(self.wg / scale + self.v)
         if s.symmetric:
             q = round_ste(q).clamp(s.qmin, s.qmax)
@@ -107,9 +115,13 @@ class Learner:
         storage dtype as the format does), codes the format's rounding of w + V·scale (its quotient in the model's
         dtype, as qdq trained it)."""
         s = self.scheme
-        fmt = format_for(s)
+        fmt = self.fmt
         with torch.no_grad():
-            scale, zero = fmt.scale_zero(self.xmin * self.beta, self.xmax * self.alpha, s, fmt.scale_dtype(s, dtype))
+            if self.full:
+                scale, zero = fmt.full_range_scale(self.xmin * self.beta, self.xmax * self.alpha, s,
+                                                   fmt.scale_dtype(s, dtype)), None
+            else:
+                scale, zero = fmt.scale_zero(self.xmin * self.beta, self.xmax * self.alpha, s, fmt.scale_dtype(s, dtype))
             q = fmt.quantize_grouped(self.wg + self.v * scale, scale, zero, s, self.half)
             values = q.reshape(self.shape).to(fmt.storage_dtype(s))
         return QTensor(values, ungroup(scale, s), s, None if zero is None else ungroup(zero, s), None, dtype)
@@ -167,7 +179,7 @@ class FP4Learner:
         return QTensor.of(values, qp, self.scheme, dtype)
 
 
-def learners_for(ctx: LayerContext, names: list[str], minmax: bool) -> dict:
+def learners_for(ctx: LayerContext, names: list[str], minmax: bool, full_range: bool = False) -> dict:
     """A learner for each of `names` on its format's grid (Format.learned_grid; the recipe check refused the
     others); FP4 weights the engines fuse (q/k/v, gate/up) share the tensor-wide part of their scales (NVFP4's
     global scale, from their joint max) as round-to-nearest's and GPTQ's do."""
@@ -189,7 +201,7 @@ def learners_for(ctx: LayerContext, names: list[str], minmax: bool) -> dict:
             extra = extras.get(t) or (fmt.shared_extra([w], s, ctx.dtype) if fmt.tensor_wide(s) else None)
             out[t] = FP4Learner(w, s, minmax, ctx.dtype, extra)
         else:
-            out[t] = Learner(w, s, minmax, fmt.scale_dtype(s, ctx.dtype), fmt.quotient_dtype(ctx.dtype))
+            out[t] = Learner(w, s, minmax, fmt.scale_dtype(s, ctx.dtype), fmt.quotient_dtype(ctx.dtype), full_range)
     return out
 
 
@@ -255,7 +267,7 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
     layer, batches = ctx.layer, ctx.batches
     names = list(ctx.targets)
     dtypes = {t: layer.get_submodule(t).weight.dtype for t in names}
-    learners = learners_for(ctx, names, params.minmax)
+    learners = learners_for(ctx, names, params.minmax, params.full_range)
     float_w = {t + ".weight": ctx.weight(t).to(dtypes[t]) for t in names}  # the transformed weights, if any
     keep = getattr(batches, "keep", lambda j, y: y)
     frozen = [p for p in layer.parameters() if p.requires_grad]

@@ -150,7 +150,8 @@ def test_with_nothing_learned_it_writes_rtns_codes_and_scales(fp32_model, tiny_l
         batches = layer_batches(model, IDS)[0]
         layer = model.model.layers[0]
         _, want, _ = solved_outputs(layer, 0, source, recipe, batches, rtn.run, RTNParams(), dtype)
-        _, got, rec = solved_outputs(layer, 0, source, recipe, batches, autoround.run, AutoRoundParams(iters=1), dtype)
+        _, got, rec = solved_outputs(layer, 0, source, recipe, batches, autoround.run,
+                                     AutoRoundParams(iters=1, full_range=False), dtype)
         assert rec.best_iter == 0
         for t in want:
             assert torch.equal(got[t].values, want[t].values), (weights, t)
@@ -160,6 +161,39 @@ def test_with_nothing_learned_it_writes_rtns_codes_and_scales(fp32_model, tiny_l
             assert (got[t].zero_point is None) == (want[t].zero_point is None)
             if want[t].zero_point is not None:
                 assert torch.equal(got[t].zero_point.float(), want[t].zero_point.float())
+
+
+@pytest.mark.parametrize("weights", [INT4_G32, INT8_CHANNEL])
+def test_full_range_puts_each_groups_larger_extreme_on_the_most_negative_code(fp32_model, weights):
+    """With nothing learned, the full-range grid (the default) scales each group by amax / -qmin, signed so that its
+    larger-magnitude weight is exactly qmin · scale: the scale is negative where that weight is positive, every code
+    is on the grid, and the weight error is below compressed-tensors' amax / ((qmax - qmin) / 2) grid's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(fp32_model), dtype=torch.float32).eval()
+    source = ModelSource(fp32_model)
+    recipe = parse_recipe(yaml.safe_load(recipe_text(weights)), "", "ar")
+    batches = layer_batches(model, IDS)[0]
+    layer = model.model.layers[0]
+    _, full, _ = solved_outputs(layer, 0, source, recipe, batches, autoround.run, AutoRoundParams(iters=1))
+    _, ct, _ = solved_outputs(layer, 0, source, recipe, batches, autoround.run,
+                              AutoRoundParams(iters=1, full_range=False))
+    s = recipe.weights
+    err = {"full": 0.0, "ct": 0.0}
+    for t, qt in full.items():
+        w = layer.get_submodule(t).weight.detach().float()
+        g = s.group_size or w.shape[1]
+        wg, q = w.reshape(w.shape[0], -1, g), qt.values.reshape(w.shape[0], -1, g).float()
+        scale = qt.scale.reshape(w.shape[0], -1)
+        at = wg.abs().argmax(-1, keepdim=True)
+        extreme = wg.gather(-1, at).squeeze(-1)
+        assert (q.gather(-1, at).squeeze(-1) == s.qmin).all(), t
+        assert torch.equal(torch.sign(scale), -torch.sign(extreme)), t
+        torch.testing.assert_close(scale.abs(), wg.abs().amax(-1) / -s.qmin, rtol=0, atol=0)
+        assert q.min() >= s.qmin and q.max() <= s.qmax
+        err["full"] += float((qt.dequantize().float() - w).pow(2).sum())
+        err["ct"] += float((ct[t].dequantize().float() - w).pow(2).sum())
+    assert err["full"] < err["ct"], err
 
 
 def _logits(model):
@@ -352,7 +386,7 @@ def test_the_first_loss_is_round_to_nearest_against_the_chosen_target(fp32_model
         own = [_out(layer(h, **kw)) for h, kw in batches]
     rtn_out, _, _ = solved_outputs(layer, i, source, recipe, batches, rtn.run, RTNParams())
 
-    params = AutoRoundParams(iters=1, target=target)
+    params = AutoRoundParams(iters=1, target=target, full_range=False)  # its starting point is then RTN's
     ctx = LayerContext(i, source.layer_prefix(i), copy.deepcopy(layer), source.arch.at(i), recipe,
                        list(source.arch.at(i).linears), batches, torch.float32)
     ctx.float_outputs = stream

@@ -200,6 +200,12 @@ class Format:
         that gives the same bits with fewer passes (the data-free stream's fast path); None where it does not."""
         return None
 
+    def signed_scales(self, scheme: QuantScheme) -> bool:
+        """Whether a stored scale of `scheme` may be negative: an int grid decodes (q - z) · s, the same map whatever
+        the sign, and the full-range grid of qtk.steps.autoround maps a group's positive extreme onto the most
+        negative code with a negative scale; the checks then hold the scale's magnitude positive."""
+        return False
+
     def learned_grid(self, scheme: QuantScheme) -> str | None:
         """The grid AutoRound (qtk.steps.autoround) learns rounding offsets and clipping on for weights of `scheme`:
         "int" (a uniform grid with per-channel or per-group scales and zero points: scale_zero, quantize_grouped),

@@ -99,6 +99,25 @@ class IntFormat(GroupedFormat):
     def learned_grid(self, scheme: QuantScheme) -> str | None:
         return "int" if scheme.strategy in (Strategy.CHANNEL, Strategy.GROUP) else None
 
+    def signed_scales(self, scheme: QuantScheme) -> bool:
+        # (q - z) · s is the same affine map whatever the sign of s, and every engine's int kernel multiplies by it;
+        # the full-range grid stores negative ones (measured in vLLM: tests/engine; the legacy GPTQ / AWQ layouts hold
+        # the same scales beside their zero points)
+        return True
+
+    def full_range_scale(self, xmin, xmax, scheme: QuantScheme, scale_dtype: torch.dtype | None) -> torch.Tensor:
+        """The full-range symmetric scale of groups with min xmin <= 0 <= max xmax (llama.cpp's, auto-round's int_sym):
+        magnitude amax / -qmin (amax / 8 for int4), signed so that the group's larger-magnitude extreme lands
+        exactly on qmin (negative when the positive side is the larger), rounded to scale_dtype; an all-zero group's
+        is 1. A finer step than compressed-tensors' amax / ((qmax - qmin) / 2), whose extremes fall half a step
+        off the grid; the other extreme may clip by up to one step."""
+        xmin, xmax = xmin.clamp_max(0), xmax.clamp_min(0)
+        scale = torch.maximum(xmax, -xmin) / -scheme.qmin
+        scale = torch.where(xmax > -xmin, -scale, scale)
+        if scale_dtype is not None:
+            scale = scale.to(scale_dtype).float()
+        return torch.where(scale != 0, scale, torch.ones_like(scale))
+
     def has_zero_point(self, scheme: QuantScheme) -> bool:
         return not scheme.symmetric
 
