@@ -226,6 +226,8 @@ def test_the_checkpoint_is_an_ordinary_one_that_reloads_as_simulated(tiny_llama,
     ours, theirs = open_checkpoint(d), open_checkpoint(plain)
     name = "model.layers.0.mlp.down_proj"
     assert not torch.equal(ours.qtensor(name).values, theirs.qtensor(name).values)
+    if "int" in weights and "symmetric: true" in weights:  # the full-range grid: negative scales on disk, decoded as q · s
+        assert (ours.qtensor(name).scale < 0).any() and (ours.qtensor(name).scale > 0).any()
 
 
 @pytest.mark.parametrize("weights,needle", [
