@@ -162,9 +162,9 @@ def main():
     global MARK
     rm.TEXT = rm.ROOT / "examples" / rm.TEXT_SETS[a.text][0]
     suffix = "" if a.text == "a" else f"_{a.text}"
-    MARK = "autoround" + suffix.replace("_", "-")
     a.work = a.work or HERE / "results" / "tmp" / f"autoround{suffix}"
     a.json = a.json or HERE / "results" / f"autoround{suffix}.json"
+    MARK = a.json.stem.replace("_", "-")  # each results file its own table in docs/real-model.md
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[k] = str(a.threads)
     import torch
