@@ -1,22 +1,26 @@
 """The AutoRound step (SOLVE): SignRound (Cheng et al., 2023; intel/auto-round) on one decoder layer at a time.
 
 Every quantized Linear of the layer gets a rounding offset V [out, in] in [-0.5, 0.5] (the code is round(w / s + V)
-instead of round(w / s)) and, per scale group, factors in [0.5, 1] on the group's max and min (its clipping). They
-start at V = 0 and factors 1 (round to nearest with the min-max scales) and are learned together, for the whole
-layer, by signed gradient descent: each step moves every parameter by lr · sign(gradient), lr decaying linearly to 0
-over the iterations, rounding passed through by the straight-through estimator. The loss is the MSE between the
-layer's outputs with the fake-quantized weights and with the float ones, on the calibration batches (one batch a
-step, in a seeded random order); the parameters of the lowest loss seen are kept (auto-round's best-loss tracking).
+instead of round(w / s)) and, per scale group, factors in [0.5, 1] on the group's max and min (its clipping; FP4
+groups have one, on their max |w|). They start at V = 0 and factors 1 (round to nearest) and are learned together,
+for the whole layer, by signed gradient descent: each step moves every parameter by lr · sign(gradient), lr
+decaying linearly to 0 over the iterations, rounding passed through by the straight-through estimator. The loss is
+the MSE between the layer's outputs with the fake-quantized weights (and, for W4A8 / W4A4, its Linears' inputs
+fake-quantized as the engine does) and the target, on the calibration batches (one batch a step, in a seeded random
+order); the parameters of the lowest loss seen are kept (auto-round's best-loss tracking).
 
-The codes and scales are then written through the format (qtk.quant.formats.integer): the group scale (and zero
-point) of the clipped min / max as the format computes it and rounds it to its storage dtype, the codes its
-rounding of w + V·s. The checkpoint is an ordinary one of that format: nothing of AutoRound is needed to decode it.
-Inputs are the layer's inputs as the loop propagates them (through the already-quantized layers above, auto-round's
-enable_quanted_input); the loop swaps the solved Linears in, so the next layer sees what the engine computes.
 The target (params.target) is by default the float model's own hidden states after this layer, which the loop
 carries beside the quantized stream (LayerContext.float_outputs): the quantized layer on the quantized model's inputs
-is pulled toward what the float model computes there, so it also corrects what the layers before it got wrong, as
-auto-round's blocks do; `target: layer` pulls it toward its own float outputs on the same inputs instead.
+(auto-round's enable_quanted_input) is pulled toward what the float model computes there, so it also corrects what
+the layers before it got wrong, as auto-round's blocks do; `target: layer` pulls it toward its own float outputs on
+the same inputs instead.
+
+The grid is the format's (Format.learned_grid): int, with compressed-tensors' scales or, by default for symmetric
+schemes, the full-range ones (IntFormat.full_range_scale: amax / -qmin, signed so each group's larger extreme is
+exactly qmin, as auto-round's int_sym), or FP4 (NVFP4, MXFP4: Format.group_scales_from_amax). The codes and scales are
+then written through the format: the scales of the clipped ranges as the format computes and stores them, the codes
+its rounding of w + V·s. The checkpoint is an ordinary one of that format: nothing of AutoRound is needed to decode
+it; the loop swaps the solved Linears in, so the next layer sees what the engine computes.
 """
 
 from __future__ import annotations
