@@ -11,7 +11,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
-from torch.func import functional_call
 
 from qtk import interrupts
 from qtk.errors import UsageError
@@ -110,20 +109,6 @@ def _store_transformed(ctx: LayerContext) -> None:
                 p.copy_(p.to(ctx.dtype).float())
 
 
-def _float_outputs(ctx: LayerContext, float_batches) -> list[torch.Tensor]:
-    """The float model's hidden states after this layer: the layer with its float weights (after the transforms,
-    rounded to the layer's dtype as the solvers' float reference is) on the float model's inputs to it, each kept
-    where its batch is."""
-    float_w = {t + ".weight": ctx.weight(t).to(ctx.layer.get_submodule(t).weight.dtype) for t in ctx.targets}
-    keep = float_batches.keep if isinstance(float_batches, Activations) else (lambda j, y: y)
-    with torch.no_grad():
-        out = []
-        for j, (h, kw) in enumerate(float_batches):
-            y = functional_call(ctx.layer, float_w, (h,), kw)
-            out.append(keep(j, y[0] if isinstance(y, tuple) else y))
-    return out
-
-
 def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batches, targets: list[str], *,
                   device=None, reducer: Reducer = LOCAL, float_batches=None):
     """Quantize one materialised layer; returns its LayerResult, the next layer's inputs and, given the float model's
@@ -143,7 +128,7 @@ def process_layer(source, recipe: Recipe, i: int, layer: torch.nn.Module, batche
     if transformed:
         _store_transformed(ctx)
     if float_batches is not None and batches:
-        ctx.float_outputs = _float_outputs(ctx, float_batches)
+        ctx.float_outputs = ctx.float_layer_outputs(float_batches)
     run_phase(ctx, steps, Phase.OBSERVE)
     # the weights as they enter the solver, the reference of the errors below (swap_in replaces, never writes)
     weights = ctx.master or {t: layer.get_submodule(t).weight.detach() for t in targets}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.func import functional_call
 
 from qtk.model.arch import Arch
 from qtk.quant.qtensor import QTensor
@@ -58,3 +59,18 @@ class LayerContext:
     def weight(self, t: str) -> torch.Tensor:
         """The weight to quantize: the fp32 master when transforms run, else the layer's own."""
         return self.master[t] if t in self.master else self.layer.get_submodule(t).weight.detach()
+
+    def float_layer_outputs(self, batches) -> list[torch.Tensor]:
+        """The layer with its float weights (the transformed ones when transforms ran, in the layer's dtype, as the
+        solvers' float reference) on `batches`, each output kept where its batch is (Activations.keep): on the float
+        model's inputs, the float model's hidden states after the layer (the loop's float stream); on the quantized
+        model's, this layer's own float outputs there."""
+        float_w = {t + ".weight": self.weight(t).to(self.layer.get_submodule(t).weight.dtype) for t in self.targets}
+        keep = getattr(batches, "keep", lambda j, y: y)
+        out = []
+        with torch.no_grad():
+            for j, (h, kw) in enumerate(batches):
+                y = functional_call(self.layer, float_w, (h,), kw)
+                out.append(keep(j, y[0] if isinstance(y, tuple) else y))
+        return out
+
