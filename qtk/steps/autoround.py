@@ -50,7 +50,29 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (x.round() - x).detach()
 
 
-class Learner:
+class _Learned:
+    """What every learner holds: the rounding offsets V and the clipping factors (`factors`), the parameters signed
+    descent moves, and the snapshot of them the lowest loss keeps."""
+
+    v: torch.Tensor
+    factors: tuple[torch.Tensor, ...]
+
+    def round_params(self) -> list[torch.Tensor]:
+        return [self.v]
+
+    def clip_params(self) -> list[torch.Tensor]:
+        return [f for f in self.factors if f.requires_grad]
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p.detach().clone() for p in (self.v, *self.factors))
+
+    def restore(self, state: tuple[torch.Tensor, ...]) -> None:
+        with torch.no_grad():
+            for p, x in zip((self.v, *self.factors), state):
+                p.copy_(x)
+
+
+class Learner(_Learned):
     """One Linear's learned rounding on an integer grid: V, the clipping factors on each group's max (alpha) and
     min (beta), and the fake-quantized weight they give, differentiable in all three."""
 
@@ -66,12 +88,7 @@ class Learner:
         self.v = torch.zeros_like(self.wg, requires_grad=True)
         self.alpha = torch.ones_like(self.xmax, requires_grad=minmax)
         self.beta = torch.ones_like(self.xmin, requires_grad=minmax)
-
-    def round_params(self) -> list[torch.Tensor]:
-        return [self.v]
-
-    def clip_params(self) -> list[torch.Tensor]:
-        return [self.alpha, self.beta] if self.alpha.requires_grad else []
+        self.factors = (self.alpha, self.beta)
 
     def qdq(self) -> torch.Tensor:
         """The dequantized weight [out, in] under the current V and factors, as the format's integer grid computes
@@ -106,14 +123,6 @@ class Learner:
         computes them: qtk.quant.formats.integer), passed through to the gradient; x itself for float32."""
         return x if self.half is None else x + (x.to(self.half).float() - x).detach()
 
-    def snapshot(self) -> tuple[torch.Tensor, ...]:
-        return tuple(p.detach().clone() for p in (self.v, self.alpha, self.beta))
-
-    def restore(self, state: tuple[torch.Tensor, ...]) -> None:
-        with torch.no_grad():
-            for p, x in zip((self.v, self.alpha, self.beta), state):
-                p.copy_(x)
-
     def qtensor(self, dtype: torch.dtype) -> QTensor:
         """The QTensor through the format: scale and zero point of the clipped min / max (rounded to the scale's
         storage dtype as the format does), codes the format's rounding of w + V·scale (its quotient in the model's
@@ -131,7 +140,7 @@ class Learner:
         return QTensor(values, ungroup(scale, s), s, None if zero is None else ungroup(zero, s), None, dtype)
 
 
-class FP4Learner:
+class FP4Learner(_Learned):
     """One Linear's learned rounding on the e2m1 grid of NVFP4 / MXFP4 (symmetric: no zero point, no min factor):
     V and one clipping factor per group on its max |w|, from which the format makes the group's stored scale
     (Format.group_scales_from_amax: NVFP4's fp8 scale under the tensor-wide global scale `extra`, MXFP4's power of
@@ -145,12 +154,7 @@ class FP4Learner:
         self.amax = self.wg.abs().amax(-1)  # [out, G]
         self.v = torch.zeros_like(self.wg, requires_grad=True)
         self.alpha = torch.ones_like(self.amax, requires_grad=minmax)
-
-    def round_params(self) -> list[torch.Tensor]:
-        return [self.v]
-
-    def clip_params(self) -> list[torch.Tensor]:
-        return [self.alpha] if self.alpha.requires_grad else []
+        self.factors = (self.alpha,)
 
     def _scales(self):
         """The stored QParams of the clipped groups and their decode multiplier [out, G, 1], the latter equal in value
@@ -165,14 +169,6 @@ class FP4Learner:
         y = (self.wg / eff + self.v).clamp(-FP4_MAX, FP4_MAX)
         q = y + (fp4_decode(fp4_encode(y.detach())) - y).detach()
         return (q * eff).reshape(self.shape)
-
-    def snapshot(self) -> tuple[torch.Tensor, ...]:
-        return tuple(p.detach().clone() for p in (self.v, self.alpha))
-
-    def restore(self, state: tuple[torch.Tensor, ...]) -> None:
-        with torch.no_grad():
-            for p, x in zip((self.v, self.alpha), state):
-                p.copy_(x)
 
     def qtensor(self, dtype: torch.dtype) -> QTensor:
         """The QTensor through the format: the clipped groups' stored scales, codes the format's rounding of
@@ -272,8 +268,6 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
     names = list(ctx.targets)
     dtypes = {t: layer.get_submodule(t).weight.dtype for t in names}
     learners = learners_for(ctx, names, params.minmax, params.full_range)
-    float_w = {t + ".weight": ctx.weight(t).to(dtypes[t]) for t in names}  # the transformed weights, if any
-    keep = getattr(batches, "keep", lambda j, y: y)
     frozen = [p for p in layer.parameters() if p.requires_grad]
     for p in frozen:  # only V and the factors are learned; the layer's own parameters take no gradient
         p.requires_grad_(False)
@@ -281,10 +275,8 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
         if params.float_stream:  # the float model's own hidden states after this layer, which the loop carries
             targets = ctx.float_outputs
             assert targets is not None and len(targets) == len(batches), "the loop carries no float stream"
-        else:
-            with torch.no_grad():  # this layer's outputs with its float weights on the same (quantized) inputs
-                targets = [keep(j, _output(functional_call(layer, float_w, (h,), kw))) for j, (h, kw) in enumerate(batches)]
-        del float_w
+        else:  # this layer's outputs with its float weights on the same (quantized) inputs
+            targets = ctx.float_layer_outputs(batches)
         hooks = quantize_inputs(ctx, names)  # the target stays float: only the learning sees quantized inputs
         try:
             record = _learn(ctx, params, learners, dtypes, targets)
