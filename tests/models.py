@@ -184,3 +184,25 @@ def fewer_iterations(recipe: str, tmp_path):
     path = tmp_path / f"{recipe}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
+
+
+class ResumeSink:
+    """A sink that also speaks the resume protocol (save_layer), so the layer loop hands it what it would save: every
+    LayerResult, and after each layer the next layer's inputs, quantized (`hidden`) and, for a step that reads the
+    float model's stream, float (`floats`, else None)."""
+
+    completed = 0
+
+    def __init__(self):
+        self.results, self.hidden, self.floats = [], [], []
+
+    def add_dense(self, name, t):
+        pass
+
+    def add_layer(self, r):
+        self.results.append(r)
+
+    def save_layer(self, r, hidden, floats=None):
+        self.hidden.append(hidden)
+        self.floats.append(floats)
+

@@ -6,7 +6,7 @@ the activations the loop propagates equal to a reference built module by module 
 import pytest
 import torch
 
-from models import make_tiny_model
+from models import ResumeSink, make_tiny_model
 from qtk.calib import calibration_ids, load_texts
 from qtk.model.simulate import QLinear, engine_weight, replace_module
 from qtk.model.source import ModelSource
@@ -29,24 +29,6 @@ def w8a8_o_weight_only(algorithm):
                          "overrides": [{"targets": ["re:.*o_proj"], "weights": INT8_CH, "activations": None}]})
 
 
-class Collect:
-    """A sink that keeps every LayerResult, and the resume protocol's save_layer to see the propagated activations."""
-
-    completed = 0
-
-    def __init__(self):
-        self.results, self.hidden = [], []
-
-    def add_dense(self, name, t):
-        pass
-
-    def add_layer(self, r):
-        self.results.append(r)
-
-    def save_layer(self, r, hidden, floats=None):
-        self.hidden.append(hidden)
-
-
 @pytest.fixture(scope="module")
 def mha_llama(tmp_path_factory):
     """No GQA, so the v_proj -> o_proj smoothing pair chains."""
@@ -56,7 +38,7 @@ def mha_llama(tmp_path_factory):
 def convert(model, recipe, calib_file):
     src = ModelSource(model)
     ids = calibration_ids(src.tokenizer(), load_texts(str(calib_file)), 6, 32, 0)
-    c = Collect()
+    c = ResumeSink()
     stats = run(src, recipe, ids, [c], batch_size=3, resume=c)
     return src, ids, c, stats
 

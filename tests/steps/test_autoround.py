@@ -22,7 +22,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from models import make_tiny_model, message_lines
+from models import ResumeSink, make_tiny_model, message_lines
 from qtk import api
 from qtk.cli import main
 from qtk.export import open_checkpoint
@@ -319,25 +319,6 @@ def test_qtk_tune_refuses_an_autoround_candidate_rather_than_dropping_its_solver
     assert e.value.exit_code == 2
 
 
-class StreamSink:
-    """A sink with the resume protocol: every layer's next inputs, quantized and float, as the loop hands them on."""
-
-    completed = 0
-
-    def __init__(self):
-        self.hidden, self.floats = [], []
-
-    def add_dense(self, name, t):
-        pass
-
-    def add_layer(self, r):
-        pass
-
-    def save_layer(self, r, hidden, floats=None):
-        self.hidden.append(hidden)
-        self.floats.append(floats)
-
-
 def test_the_loop_carries_the_float_models_own_hidden_states(tmp_path):
     """With AutoRound's default target the loop hands each layer the float model's hidden states beside the quantized
     model's: after every layer they are transformers' own hidden states of the unquantized model, while the other
@@ -353,7 +334,7 @@ def test_the_loop_carries_the_float_models_own_hidden_states(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(ids, output_hidden_states=True).hidden_states  # embeddings, then each layer's (the last normed)
-    sink = StreamSink()
+    sink = ResumeSink()
     run(src, parse_recipe(yaml.safe_load(recipe_text(INT4_G32, iters=4)), "", "ar"), ids, [sink], batch_size=2,
         resume=sink)
     assert len(sink.floats) == 4
@@ -363,7 +344,7 @@ def test_the_loop_carries_the_float_models_own_hidden_states(tmp_path):
         assert (quantized - want[i + 1]).abs().max() > 1e-3, i
     for text in (recipe_text(INT4_G32, iters=2).replace("{iters: 2}", "{iters: 2, target: layer}"),
                  recipe_text(INT4_G32).replace("autoround: {iters: 30}", "gptq: {}")):
-        sink = StreamSink()
+        sink = ResumeSink()
         run(src, parse_recipe(yaml.safe_load(text), "", "x"), ids, [sink], batch_size=2, resume=sink)
         assert sink.floats == [None] * 4 and all(h is not None for h in sink.hidden[:3])
 
