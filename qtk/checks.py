@@ -293,7 +293,7 @@ def _check_transforms(ck, mods: list[str], shapes: dict, rep: CheckReport) -> No
     if not transforms and not problems and not recorded:
         return
     quantized = set(mods)
-    first: dict[str, "torch.Tensor"] = {}
+    first: dict[tuple[str, int], "torch.Tensor"] = {}  # (group, order): vLLM shares one per scheme and size
     for m, t in sorted(transforms.items()):
         shape = shapes.get(f"{m}.weight")
         width = shape[1] if shape else None
@@ -318,10 +318,10 @@ def _check_transforms(ck, mods: list[str], shapes: dict, rep: CheckReport) -> No
             problems.append(f"{t.tensor}: not orthogonal (max |M Mᵀ/{b} − I| = {err:.3g}): the rotated weight no "
                             "longer computes the source")
             continue
-        ref = first.setdefault(t.group, m64)
+        ref = first.setdefault((t.group, b), m64)
         if not torch.equal(ref, m64):
-            problems.append(f"{t.tensor}: differs from the group's first matrix, but vLLM loads one matrix per "
-                            f"transform group ({t.group}) for the whole model")
+            problems.append(f"{t.tensor}: differs from the group's first matrix of order {b}, but vLLM loads one "
+                            f"matrix per transform group ({t.group}) and order for the whole model")
         if m in recorded:
             try:
                 want = RepeatedRotation.from_json(recorded[m]).unit().stored(torch.float64)

@@ -157,7 +157,11 @@ def apply_ct_transforms(model, d: Path):
         return model
     from compressed_tensors.transform import TransformConfig, apply_transform_config
 
-    apply_transform_config(model, TransformConfig.model_validate(tc))
+    # the offline locations (weight_input, weight_output) were folded into the stored weights before they were
+    # written: as vLLM does, only the online ones are applied to a loaded checkpoint
+    groups = {name: {**g, "apply": [a for a in g["apply"] if not a["location"].startswith("weight_")]}
+              for name, g in tc["config_groups"].items()}
+    apply_transform_config(model, TransformConfig.model_validate({**tc, "config_groups": groups}))
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     with torch.no_grad():
         for f in sorted(Path(d).glob("*.safetensors")):

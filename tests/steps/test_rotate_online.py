@@ -154,6 +154,54 @@ def test_compressed_tensors_own_transform_code_computes_the_simulation(wide, cal
     assert rep.ok and any(c.name == ONLINE and c.ok for c in rep.checks)
 
 
+def _edit_config(d, fn):
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg["quantization_config"]["transform_config"])
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_transform_spelled_as_llm_compressors_quip_reads_the_same(wide, calib_file, tmp_path):
+    """llm-compressor's QuIPModifier (rotations ["v"]) writes every Linear's input rotation as group `v` with the
+    class name `Linear` as its target, lm_head ignored, and its offline half as a `weight_input` location: the same
+    transform as qtk's `modules: all`. Read so, the simulation is unchanged and compressed-tensors' own transform
+    code decodes it to the same logits; a reader that matched targets by module name only would find none."""
+    d = _convert(wide, tmp_path, calib_file, "{rotate_online: {seed: 4, block: 16, modules: all}}, rtn").outputs["vllm"]
+    before = _logits(build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False))
+
+    def quip(tc):
+        (g,) = tc["config_groups"].values()
+        g["apply"] = [{"targets": ["Linear"], "location": "input", "inverse": False, "ignore": ["lm_head"]},
+                      {"targets": ["Linear"], "location": "weight_input", "inverse": True, "ignore": ["lm_head"]}]
+        tc["config_groups"] = {"v": g}
+
+    _edit_config(d, quip)
+    _rewrite(d, lambda sd: sd.update({k.replace(".HG_input.", ".v_input."): sd.pop(k) for k in list(sd)
+                                      if ".HG_input." in k}))
+    ck = open_checkpoint(d)
+    transforms, problems = ck.input_transforms()
+    assert not problems and sorted(transforms) == sorted(ck.modules())
+    sim = build_simulated_model(ck, simulate_activations=False, simulate_kv=False)
+    assert torch.equal(_logits(sim), before)
+    assert (_logits(ct_decoded_model(d)) - before).abs().max().item() <= 1e-4
+    assert api.inspect(d).ok
+
+
+def test_a_group_may_hold_one_matrix_per_order(wide, calib_file, tmp_path):
+    """vLLM keeps one matrix per transform group and order (a QuIP group without a block rotates 576- and 1536-wide
+    inputs with a matrix of each width): a second order in a group is not a matrix that differs from the first; a
+    second matrix of the same order still is."""
+    d = _convert(wide, tmp_path, calib_file, "{rotate_online: {seed: 3}}, rtn").outputs["vllm"]
+    q = [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
+    _edit_config(d, lambda tc: tc["config_groups"]["R4"]["apply"][0]["targets"].extend(q))
+    h = RepeatedRotation.for_width(128, 0, 0).unit().stored(torch.float32)
+    _rewrite(d, lambda sd: sd.update({f"{m}.R4_input.weight": h.clone() for m in q}))
+    rep = api.inspect(d)
+    assert rep.ok, [c.detail for c in rep.checks if not c.ok]
+    _rewrite(d, lambda sd: sd.update({f"{q[1]}.R4_input.weight": h[torch.randperm(128)]}))
+    bad = {c.name: c.detail for c in api.inspect(d).checks if not c.ok}
+    assert ONLINE in bad and f"{q[1]}.R4_input.weight" in bad[ONLINE] and "order 128" in bad[ONLINE], bad
+
+
 def _rewrite(d, fn):
     f = d / "model.safetensors"
     sd = load_file(str(f))

@@ -83,7 +83,9 @@ def input_transforms(tconfig: dict | None, modules: list[str]) -> tuple[dict[str
             ignore = [ignore] if isinstance(ignore, str) else list(ignore)
 
             def hit(m, pats):
-                return any(m == t or (t.startswith("re:") and bounded_match(t[3:], m)) for t in pats)
+                # a target is a module's name, a `re:` pattern, or a class name: every module read here is a Linear
+                # (llm-compressor's QuIP writes targets ["Linear"])
+                return any(m == t or t == "Linear" or (t.startswith("re:") and bounded_match(t[3:], m)) for t in pats)
 
             chosen = [m for m in modules if hit(m, targets) and not hit(m, ignore)]
             if loc in ("weight_input", "weight_output"):
