@@ -299,28 +299,30 @@ def _check_transforms(ck, mods: list[str], shapes: dict, rep: CheckReport) -> No
         width = shape[1] if shape else None
         if m not in quantized:
             problems.append(f"{m}: an input transform on a Linear that is not quantized")
-        if not ck.has(t.tensor):
-            problems.append(f"{t.tensor}: missing (the transform_config applies {t.group} to {m})")
+        name = ck.transform_tensor(m, width)
+        if name is None:
+            problems.append(f"{t.tensor}: missing, and no other module of {t.group} stores a matrix of its order "
+                            f"(the transform_config applies {t.group} to {m})")
             continue
-        stored = ck.tensor(t.tensor)
+        stored = ck.tensor(name)
         b = stored.shape[0] if stored.dim() == 2 else None
         if b is None or stored.shape[1] != b or (t.block is not None and b != t.block) or (
                 width is not None and (width % b or (t.block is None and b != width))):
-            problems.append(f"{t.tensor}: shape {list(stored.shape)}, the transform needs "
+            problems.append(f"{name}: shape {list(stored.shape)}, the transform needs "
                             f"[{t.block or width}, {t.block or width}] for an input of {width}")
             continue
         m64 = stored.to(torch.float64)
         if not bool((m64.abs() == 1).all()):
-            problems.append(f"{t.tensor}: entries other than ±1, not a Hadamard matrix the engine divides by √{b}")
+            problems.append(f"{name}: entries other than ±1, not a Hadamard matrix the engine divides by √{b}")
             continue
         err = orthogonality_error(m64)
         if err > 1e-9:
-            problems.append(f"{t.tensor}: not orthogonal (max |M Mᵀ/{b} − I| = {err:.3g}): the rotated weight no "
+            problems.append(f"{name}: not orthogonal (max |M Mᵀ/{b} − I| = {err:.3g}): the rotated weight no "
                             "longer computes the source")
             continue
         ref = first.setdefault((t.group, b), m64)
         if not torch.equal(ref, m64):
-            problems.append(f"{t.tensor}: differs from the group's first matrix of order {b}, but vLLM loads one "
+            problems.append(f"{name}: differs from the group's first matrix of order {b}, but vLLM loads one "
                             f"matrix per transform group ({t.group}) and order for the whole model")
         if m in recorded:
             try:
@@ -329,7 +331,7 @@ def _check_transforms(ck, mods: list[str], shapes: dict, rep: CheckReport) -> No
                 problems.append(f"{m}: qtk.json's rotate_online record is malformed ({e})")
                 continue
             if not torch.equal(want, m64):
-                problems.append(f"{t.tensor}: not the rotation qtk.json records for {m} ({recorded[m]})")
+                problems.append(f"{name}: not the rotation qtk.json records for {m} ({recorded[m]})")
     for m in sorted(set(recorded) - set(transforms)):
         problems.append(f"{m}: qtk.json records an online rotation, but the config's transform_config does not apply "
                         "one (its weight is stored rotated: served without it, the layer computes something else)")

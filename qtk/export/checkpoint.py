@@ -186,7 +186,11 @@ class Checkpoint:
         format that has no such transforms."""
         return {}, []
 
-    def input_rotation(self, module: str):
+    def transform_tensor(self, module: str, width: int | None = None) -> str | None:
+        """The stored matrix of `module`'s input transform (`width`: its input width), None without one."""
+        return None
+
+    def input_rotation(self, module: str, width: int | None = None):
         """The engine's run-time rotation of `module`'s input (an object with apply(x)), None without one."""
         return None
 

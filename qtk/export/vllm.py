@@ -294,12 +294,33 @@ class CompressedTensorsCheckpoint(Checkpoint):
             self._transforms = ct_transform.input_transforms(self.qconfig.get("transform_config"), self.modules())
         return self._transforms
 
-    def input_rotation(self, module: str):
-        """The engine's rotation of `module`'s input (read from its stored matrix), None without one."""
+    def transform_tensor(self, module: str, width: int | None = None) -> str | None:
+        """The stored matrix of `module`'s input transform (`width`: its input width, for a transform without a
+        head_dim): its own tensor, else the one stored beside another module of its group in the same order. vLLM
+        keeps one tensor per transform scheme and order for the whole model (SharedWeightParameter, keyed by both),
+        loaded from whichever module's name holds it: llm-compressor stores it once. None when neither is stored."""
         t = self.input_transforms()[0].get(module)
-        if t is None or not self.has(t.tensor):
+        if t is None:
             return None
-        return ct_transform.DenseRotation(self.tensor(t.tensor), t.inverse)
+        if self.has(t.tensor):
+            return t.tensor
+        order, suffix = t.block or width, t.tensor[len(module):]
+        if not hasattr(self, "_shared"):
+            self._shared = {}
+        if (suffix, order) not in self._shared:
+            self._shared[(suffix, order)] = next(
+                (n for n in self.tensor_names() if n.endswith(suffix) and (self.meta(n) or (None, []))[1] == [order, order]),
+                None)
+        return self._shared[(suffix, order)]
+
+    def input_rotation(self, module: str, width: int | None = None):
+        """The engine's rotation of `module`'s input (read from its stored matrix, transform_tensor), None without
+        one."""
+        t = self.input_transforms()[0].get(module)
+        name = self.transform_tensor(module, width)
+        if t is None or name is None:
+            return None
+        return ct_transform.DenseRotation(self.tensor(name), t.inverse)
 
     def _group_of(self, module: str):
         """(ModuleScheme, format) of a module by compressed-tensors' precedence; None when no target matches."""

@@ -260,7 +260,7 @@ def build_simulated_model(ckpt, *, simulate_activations: bool = True, simulate_k
         act = scheme.engine_activations if (simulate_activations and scheme is not None) else None
         scale = ckpt.input_scale(m) if act is not None and act.has_static_scale else None
         replace_module(model, m, QLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), act, scale,
-                                         input_rotation=ckpt.input_rotation(m)))
+                                         input_rotation=ckpt.input_rotation(m, lin.weight.shape[1])))
     # a checkpoint of a family qtk does not convert is simulated module by module
     fuse_groups(model, modules, ckpt.arch.fusion_groups if ckpt.arch is not None else ())
     use_qtk_attention(model)

@@ -164,7 +164,8 @@ def test_a_transform_spelled_as_llm_compressors_quip_reads_the_same(wide, calib_
     """llm-compressor's QuIPModifier (rotations ["v"]) writes every Linear's input rotation as group `v` with the
     class name `Linear` as its target, lm_head ignored, and its offline half as a `weight_input` location: the same
     transform as qtk's `modules: all`. Read so, the simulation is unchanged and compressed-tensors' own transform
-    code decodes it to the same logits; a reader that matched targets by module name only would find none."""
+    code decodes it to the same logits; a reader that matched targets by module name only would find none.
+    llm-compressor stores the shared matrix once."""
     d = _convert(wide, tmp_path, calib_file, "{rotate_online: {seed: 4, block: 16, modules: all}}, rtn").outputs["vllm"]
     before = _logits(build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False))
 
@@ -175,8 +176,15 @@ def test_a_transform_spelled_as_llm_compressors_quip_reads_the_same(wide, calib_
         tc["config_groups"] = {"v": g}
 
     _edit_config(d, quip)
-    _rewrite(d, lambda sd: sd.update({k.replace(".HG_input.", ".v_input."): sd.pop(k) for k in list(sd)
-                                      if ".HG_input." in k}))
+    # and stores the matrix once, under the first module's name (vLLM keeps one per group and order, loaded from
+    # whichever name holds it): a reader that looked only beside each module would leave the rest unrotated
+    def once(sd):
+        names = sorted(k for k in sd if ".HG_input." in k)
+        sd[names[0].replace(".HG_input.", ".v_input.")] = sd.pop(names[0])
+        for k in names[1:]:
+            del sd[k]
+
+    _rewrite(d, once)
     ck = open_checkpoint(d)
     transforms, problems = ck.input_transforms()
     assert not problems and sorted(transforms) == sorted(ck.modules())
@@ -222,8 +230,9 @@ def test_inspect_fails_a_damaged_transform(wide, calib_file, tmp_path, damage):
             m = m * 0.5
         elif damage == "differs between layers":
             m = m[torch.randperm(m.shape[0])]
-        if damage == "missing":
-            del sd[name]
+        if damage == "missing":  # every copy: one left would serve them all (vLLM shares it per group and order)
+            for k in [k for k in sd if ".R4_input." in k]:
+                del sd[k]
         else:
             sd[name] = m
 
