@@ -23,7 +23,10 @@ llm-compressor's side of each recipe is the same scheme in its own words (Quanti
   rtn -> QuantizationModifier; gptq -> GPTQModifier (llm-compressor's defaults: block 128, dampening 0.01,
   actorder "static"); awq -> AWQModifier(duo_scaling, n_grid 20) + QuantizationModifier (llm-compressor has no
   clip search); smoothquant -> SmoothQuantModifier(smoothing_strength = alpha); KV cache -> kv_cache_scheme FP8
-  per-tensor (what vLLM loads; qtk's "8-bit KV" is FP8 for vLLM too). Issue 14's formats run as llm-compressor's
+  per-tensor (what vLLM loads; qtk's "8-bit KV" is FP8 for vLLM too); rotate (offline R1/R2) -> SpinQuantModifier
+  (R1, R2, random Hadamard); rotate_online -> SpinQuant's R4, or with modules all (every Linear's input within
+  blocks of N) QuIPModifier(rotations ["v"], transform_block_size N). `--recipes` names a built-in recipe, or one
+  with rotations first: `NAME+rotate`, `NAME+quipN` (variant_doc). Issue 14's formats run as llm-compressor's
   own presets (LLMC_PRESETS: nvfp4-a16 -> NVFP4A16, nvfp4 -> NVFP4, nvfp4-gptq -> GPTQModifier(scheme NVFP4),
   mxfp4-a16 -> MXFP4A16, fp8-block -> FP8_BLOCK). fp8-block: both tools leave the Linears whose 576-wide input
   128-column activation groups cannot tile unquantized (fp8_block_ignores), so only down_proj is FP8-block. Static activations use "static_minmax",
@@ -63,7 +66,7 @@ DOC = ROOT / "docs" / "real-model.md"
 # independent text issue 32 asks choices made on set a to be confirmed on
 TEXT_SETS = {"a": ("real_text", "real_model.json", "real-model"), "b": ("real_text_b", "real_model_b.json", "real-model-b")}
 MARK = "real-model"
-RECIPES = ("w4a16", "w4a16-gptq", "w4a16-awq", "w4a16-rot-gptq", "fp8", "fp8-kv8", "fp8-dynamic", "w8a16", "w8a16-gptq", "w8a8-sq",
+RECIPES = ("w4a16", "w4a16-gptq", "w4a16-awq", "w4a16-rot-gptq", "w4a16-rot4-gptq", "fp8", "fp8-kv8", "fp8-dynamic", "w8a16", "w8a16-gptq", "w8a8-sq",
            "int8-kv8", "nvfp4-a16", "nvfp4", "nvfp4-gptq", "mxfp4-a16", "fp8-block")
 # issue 14's formats run on llm-compressor's side as its own preset schemes (what its users write; the conformance
 # tests in tests/formats_reference/ hold qtk's config fields to these presets' checkpoints)
@@ -98,6 +101,35 @@ def qtk_recipe_doc(name: str, in_features: list[int]) -> dict:
     if w.get("strategy") == "group" and any(n % w["group_size"] for n in in_features):
         w["group_size"] = next(g for g in (128, 64, 32, 16) if g <= w["group_size"] and all(n % g == 0 for n in in_features))
     return doc
+
+
+def variant_doc(name: str, in_features: list[int]) -> dict:
+    """A built-in recipe (qtk_recipe_doc), or one with rotations listed before its steps: `BASE+rotate` the offline
+    R1/R2 (seed 0; llm-compressor: SpinQuantModifier R1, R2), `BASE+quipN` every quantized Linear's input rotated
+    online within blocks of N (qtk: rotate_online modules all, block N; llm-compressor: QuIPModifier rotations
+    ["v"], transform_block_size N)."""
+    import re
+
+    base, plus, variant = name.partition("+")
+    doc = qtk_recipe_doc(base, in_features)
+    if not plus:
+        return doc
+    quip = re.fullmatch(r"quip(\d+)", variant)
+    if variant == "rotate":
+        first = [{"rotate": {"seed": 0}}]
+    elif quip:
+        first = [{"rotate_online": {"seed": 1, "block": int(quip[1]), "modules": "all"}}]
+    else:
+        raise ValueError(f"unknown variant {variant!r} in {name!r}: use +rotate or +quipN")
+    return {**doc, "name": name, "algorithm": [*first, *doc["algorithm"]]}
+
+
+def recipe_name(name: str) -> str:
+    """argparse type of --recipes: a built-in recipe of RECIPES, with a variant of variant_doc."""
+    base, plus, variant = name.partition("+")
+    if base not in RECIPES or (plus and variant != "rotate" and not variant.removeprefix("quip").isdigit()):
+        raise argparse.ArgumentTypeError(f"{name!r}: use one of {', '.join(RECIPES)}, optionally +rotate or +quipN")
+    return name
 
 
 def fp8_block_ignores(cfg: dict, block: int = 128) -> list[str]:
@@ -154,6 +186,9 @@ def llmc_config(doc: dict, observer: str = "static_minmax") -> dict:
         elif name == "rotate":  # llm-compressor's offline R1/R2 with random Hadamards (spelled; not in RECIPES yet)
             mods.append({"type": "SpinQuantModifier", "kwargs": {
                 "rotations": ["R1", "R2"] if p.get("r2", True) else ["R1"], "transform_type": "random-hadamard"}})
+        elif name == "rotate_online" and p.get("modules") == "all":  # every Linear's input: QuIP's V, online
+            mods.append({"type": "QuIPModifier", "kwargs": {"rotations": ["v"], "transform_type": "random-hadamard",
+                                                            "transform_block_size": p.get("block") or None}})
         elif name == "rotate_online":  # R4, applied by the engine: SpinQuant's R4 (one modifier with R1/R2 if listed)
             spin = next((m for m in mods if m["type"] == "SpinQuantModifier"), None)
             if spin is None:
@@ -375,7 +410,8 @@ def write_doc(table: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES, help="in this order")
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), type=recipe_name,
+                    help="in this order: built-in recipes, each optionally with +rotate or +quipN (variant_doc)")
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
@@ -466,7 +502,7 @@ def main():
 
     done: list[str] = []
     for name in a.recipes:
-        doc = qtk_recipe_doc(name, in_features)
+        doc = variant_doc(name, in_features)
         if doc["weights"].get("strategy") == "block":
             doc["ignore"] = [*doc.get("ignore", ["lm_head"]), *fp8_block_ignores(cfg)]
         runs = {"qtk": (run_qtk, doc), "llmcompressor": (run_llmc, llmc_config(doc))}
