@@ -6,8 +6,9 @@ throwaway virtual environment that has PyPI `auto-round` (never a qtk dependency
     /tmp/ar-peer/bin/python benchmarks/_autoround_peer.py --model DIR --ids calib-ids.pt --out OUT --iters 50 --group-size 64
 
 Writes OUT/vllm (auto-round's llm_compressor format: a compressed-tensors checkpoint that qtk's reader and simulation
-open like qtk's own) and OUT/timings.json. W4A16 symmetric, the given group size, auto-round's defaults otherwise
-(lr 1/iters, minmax tuning, best-loss tracking, batches of --batch-size windows).
+open like qtk's own) and OUT/timings.json. --scheme W4A16: symmetric, the given group size; --scheme NVFP4: auto-round's
+own NVFP4 scheme (W4A4, groups of 16, activations quantized while it learns, static global input scale); auto-round's
+defaults otherwise (lr 1/iters, minmax tuning, best-loss tracking, batches of --batch-size windows).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scheme", choices=["W4A16", "NVFP4"], default="W4A16")
     a = ap.parse_args()
     import torch
     from auto_round import AutoRound
@@ -38,7 +40,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(a.model)
     t0 = time.perf_counter()
-    ar = AutoRound(model, tok, bits=4, group_size=a.group_size, sym=True, iters=a.iters, nsamples=len(ids),
+    scheme = {"bits": 4, "group_size": a.group_size, "sym": True} if a.scheme == "W4A16" else {"scheme": a.scheme}
+    ar = AutoRound(model, tok, **scheme, iters=a.iters, nsamples=len(ids),
                    seqlen=ids.shape[1], batch_size=a.batch_size, dataset=batches, device_map="cpu")
     ar.quantize_and_save(str(Path(a.out) / "vllm"), format="llm_compressor")
     (Path(a.out) / "timings.json").write_text(json.dumps({"total_in_process": time.perf_counter() - t0}))

@@ -9,7 +9,9 @@ A recipe name may carry a variant: `NAME:target=layer` sets the autoround step's
 layer's own float outputs instead of the float model's stream), `NAME+rotate` lists the offline rotations (R1/R2,
 seed 0) before its steps, as benchmarks/rotation.py's `+ rotate`, and `NAME/autoround` solves the built-in recipe's
 formats with autoround instead of its own solver (e.g. `nvfp4/autoround`: NVFP4 W4A4 learned). --text b calibrates and scores on the second text
-set (benchmarks/real_model.py's), into benchmarks/results/autoround_b.json and its own table.
+set (benchmarks/real_model.py's), into benchmarks/results/autoround_b.json and its own table. --peer-python runs
+intel/auto-round itself on the same ids (benchmarks/_autoround_peer.py): W4A16, or with --peer-scheme NVFP4 its own
+NVFP4 W4A4 scheme, beside `nvfp4/autoround`.
 
 Model, texts, calibration ids, group sizes (64 for int4: 128 does not divide hidden 576) and the perplexity method
 are benchmarks/real_model.py's (held-out perplexity through qtk's reader and simulated model, fp32); the measured
@@ -152,6 +154,8 @@ def main():
     ap.add_argument("--peer-python", type=Path, default=None,
                     help="a python with PyPI auto-round installed (a throwaway venv): also run intel/auto-round itself "
                          "on the same ids (benchmarks/_autoround_peer.py)")
+    ap.add_argument("--peer-scheme", choices=["W4A16", "NVFP4"], default="W4A16",
+                    help="the peer's scheme: W4A16 (w4a16-autoround's group size) or its own NVFP4 (W4A4)")
     ap.add_argument("--text", choices=sorted(rm.TEXT_SETS), default="a",
                     help="text set (benchmarks/real_model.py's): a = licences / US Constitution, b = Debian handbook / "
                          "Python tutorial")
@@ -185,9 +189,10 @@ def main():
     prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
     if prev.get("settings") == settings:
         results = dict(prev.get("recipes", {}))  # entries of recipes not run this time are kept
-    runs = [*a.recipes, *(["auto-round (peer)"] if a.peer_python else [])]
+    peer = "auto-round (peer)" if a.peer_scheme == "W4A16" else f"auto-round {a.peer_scheme} (peer)"
+    runs = [*a.recipes, *([peer] if a.peer_python else [])]
     for name in runs:
-        if name == "auto-round (peer)":
+        if name == peer:
             results[name] = run_peer(a, model, ids_file, in_features, windows)
             print(name, results[name], flush=True)
             save(a, results, settings, model, windows, base_ppl)
@@ -212,26 +217,28 @@ def main():
 
 
 def run_peer(a, model: Path, ids_file: Path, in_features, windows) -> dict:
-    """intel/auto-round on the same ids, W4A16 symmetric with the recipe's group size, the same iterations and
-    batch: its compressed-tensors output read by qtk's reader and simulated for the same perplexity."""
+    """intel/auto-round on the same ids, W4A16 symmetric with the recipe's group size (or its NVFP4 scheme), the same
+    iterations and batch: its compressed-tensors output read by qtk's reader and simulated for the same perplexity."""
     import subprocess
 
-    doc = rm.qtk_recipe_doc("w4a16-autoround", in_features)
-    out = a.work / "auto-round-peer"
+    doc = rm.qtk_recipe_doc("w4a16-autoround" if a.peer_scheme == "W4A16" else "nvfp4-autoround", in_features)
+    out = a.work / f"auto-round-peer-{a.peer_scheme}"
     shutil.rmtree(out, ignore_errors=True)
     version = subprocess.run([str(a.peer_python), "-c", "import auto_round; print(auto_round.__version__)"],
                              capture_output=True, text=True, check=True).stdout.strip()
     wall, rss = vsl.run_measured([str(a.peer_python), str(HERE / "_autoround_peer.py"), "--model", str(model),
                                   "--ids", str(ids_file), "--out", str(out), "--iters", str(a.iters or 200),
                                   "--group-size", str(doc["weights"]["group_size"]), "--batch-size", str(a.batch_size),
-                                  "--threads", str(a.threads)], a.work / "auto-round-peer.log")
+                                  "--threads", str(a.threads), "--scheme", a.peer_scheme],
+                                 a.work / f"auto-round-peer-{a.peer_scheme}.log")
     ck = out / "vllm"
     if not (ck / "config.json").is_file():  # auto-round saves under a subdirectory named after the model
         ck = next(d for d in ck.iterdir() if (d / "config.json").is_file())
     t = json.loads((out / "timings.json").read_text())
     return {"perplexity": round(rm.checkpoint_ppl(ck, windows), 4), "wall_s": round(wall, 1),
             "peak_rss_mb": round(rss / 1e6), "group_size": doc["weights"]["group_size"],
-            "steps": {}, "peer": f"intel/auto-round {version}", "in_process_s": round(t["total_in_process"], 1)}
+            "steps": {}, "peer": f"intel/auto-round {version}" + ("" if a.peer_scheme == "W4A16" else f" {a.peer_scheme}"),
+            "in_process_s": round(t["total_in_process"], 1)}
 
 
 def save(a, results: dict, settings: dict, model: Path, windows, base_ppl: float) -> None:
