@@ -5,8 +5,9 @@ GPTQ's step (time and peak memory, per step, summed over the layers).
     QTK_REAL_MODEL_DIR=... nice .venv/bin/python benchmarks/autoround.py [--recipes w4a16 w4a16-gptq w4a16-autoround]
         [--iters 200] [--batch-size 8] [--num-samples 16] [--seq-len 512] [--text a|b]
 
-A recipe name may carry a variant: `NAME:target=layer` sets the autoround step's parameters (here its target: the
-layer's own float outputs instead of the float model's stream), `NAME+rotate` lists the offline rotations (R1/R2,
+A recipe name may carry a variant: `NAME:target=layer` sets the solver step's parameters (autoround's or gptq's; here
+autoround's target: the layer's own float outputs instead of the float model's stream; `w4a16-gptq:full_range=true`
+GPTQ on the full-range grid), `NAME+rotate` lists the offline rotations (R1/R2,
 seed 0) before its steps, as benchmarks/rotation.py's `+ rotate`, and `NAME/autoround` solves the built-in recipe's
 formats with autoround instead of its own solver (e.g. `nvfp4/autoround`: NVFP4 W4A4 learned). --text b calibrates and scores on the second text
 set (benchmarks/real_model.py's), into benchmarks/results/autoround_b.json and its own table. --peer-python runs
@@ -75,7 +76,7 @@ def with_iters(doc: dict, iters: int | None) -> dict:
 
 def variant_doc(name: str, in_features) -> dict:
     """The recipe document a benchmark name stands for: a built-in recipe, `+rotate` for the offline rotations listed
-    first, `:key=value,...` for the autoround step's parameters (values read as YAML)."""
+    first, `:key=value,...` for the solver step's parameters, autoround's or gptq's (values read as YAML)."""
     import yaml
 
     base, _, params = name.partition(":")
@@ -88,10 +89,11 @@ def variant_doc(name: str, in_features) -> dict:
         doc["algorithm"] = [*kept, {solver: {}}]
     if plus:
         doc = rot.rotated(doc, extra)
-    if params:
-        kv = dict(p.split("=", 1) for p in params.split(","))
-        doc["algorithm"] = [{"autoround": {**s["autoround"], **{k: yaml.safe_load(v) for k, v in kv.items()}}}
-                            if isinstance(s, dict) and "autoround" in s else s for s in doc["algorithm"]]
+    if params:  # the solver step's parameters (autoround, or gptq)
+        kv = {k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in params.split(","))}
+        algo = [s if isinstance(s, dict) else {s: {}} for s in doc["algorithm"]]
+        doc["algorithm"] = [{n: {**(p or {}), **kv}} if n in ("autoround", "gptq") else {n: p}
+                            for (n, p), in (a.items() for a in algo)]
     return {**doc, "name": _file_safe(name)}
 
 

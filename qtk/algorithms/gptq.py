@@ -206,6 +206,14 @@ def _check(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, label: str) ->
                          "calibration activations overflowed; check the calibration data or run in float32/bfloat16")
 
 
+def full_range_scale(fmt, w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> torch.Tensor:
+    """The full-range symmetric scales (IntFormat.full_range_scale) of w [out, in]: [out, in / group_size] for
+    groups, [out, 1] per channel or for one group's columns, in the model dtype's rounding as the format's scales."""
+    g = scheme.column_group
+    wg = w.reshape(w.shape[0], -1, g) if g is not None and w.shape[1] > g else w.unsqueeze(1)
+    return fmt.full_range_scale(wg.amin(-1), wg.amax(-1), scheme, fmt.scale_dtype(scheme, dtype))
+
+
 @dataclass
 class _Setup:
     """What the column loop starts from: the format and its quantizer, the columns sharing a scale (g) and whether
@@ -259,6 +267,8 @@ def _setup(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params: GPTQPa
             Wq = Wq.clone()
             Wq[:, dead] = 0
         qp = fmt.qparams(Wq, scheme, dtype)
+        if params.full_range:
+            qp = QParams(full_range_scale(fmt, Wq, scheme, dtype), qp.zero_point, qp.extra)
         del Wq
     elif fmt.tensor_wide(scheme):  # the tensor-wide part (NVFP4's global scale) is fixed before the groups are
         qp = fmt.qparams(W.float(), scheme, dtype)
@@ -390,6 +400,8 @@ def _start_group(st: _Setup, solved: _Solved, W1, Err1, S1, Z1, i: int, i1: int,
         cols = torch.cat([cols, rest], dim=0)
     gq = st.fmt.group_qparams(cols.t(), st.scheme, st.dtype, st.qp)  # [out, 1]
     sc, zc = gq.scale, gq.zero_point
+    if st.params.full_range:
+        sc = full_range_scale(st.fmt, cols.t(), st.scheme, st.dtype)
     solved.gscales.append(sc)
     solved.gzeros.append(zc)
     S1[i:i + g] = sc.reshape(1, -1)

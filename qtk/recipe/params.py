@@ -166,6 +166,10 @@ class GPTQParams(StepParams):
       false | null     columns in order.
     static_groups: with actorder false, take the group scales up front from the original columns too (actorder
       static implies it; actorder group contradicts it).
+    full_range: symmetric int groups (or channels) scaled by amax / -qmin (amax / 8 for int4), signed so that each
+      group's larger-magnitude extreme is exactly the most negative code (the autoround step's full-range grid,
+      IntFormat.full_range_scale), instead of compressed-tensors' amax / ((qmax - qmin) / 2); the checkpoint then
+      stores negative scales, which decode as q · s (vLLM runs them: tests/engine). Off: llm-compressor's grid.
     """
 
     block_size: int = 128
@@ -177,6 +181,7 @@ class GPTQParams(StepParams):
     # ones: one partial forward per sub-block instead of one for all. Off, as in llm-compressor (no accuracy
     # difference on the tests' models: benchmarks/vs_llmcompressor.py)
     true_sequential: bool = False
+    full_range: bool = False
 
     needs_data = True
 
@@ -205,6 +210,18 @@ class GPTQParams(StepParams):
 
     def __post_init__(self):  # the Python API gets the same spellings and refusals as a recipe
         object.__setattr__(self, "actorder", gptq_actorder(self.actorder, self.static_groups, "gptq"))
+
+    def check_recipe(self, recipe, origin: str) -> None:
+        """full_range: every scheme's weights symmetric int per channel or group (the grid it changes)."""
+        if not self.full_range:
+            return
+        from qtk.quant.scheme import Strategy
+
+        for m in recipe.schemes:
+            w = m.weights
+            if not (w.type == "int" and w.symmetric and w.strategy in (Strategy.CHANNEL, Strategy.GROUP)):
+                raise UsageError(f"{origin}: gptq full_range is a grid of symmetric int weights per channel or group, "
+                                 f"not {w.describe()}", "remove full_range, or use symmetric int weights")
 
     @staticmethod
     def prepare(raw: dict, where: str) -> dict:
