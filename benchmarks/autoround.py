@@ -112,8 +112,10 @@ def losses(out: Path) -> dict:
 def render(report: dict) -> str:
     s = report["settings"]
     text = f"Text set {s['text']} (calib.jsonl to calibrate, heldout.jsonl scored). " if s.get("text") else ""
+    learned = any("autoround" in e.get("steps", {}) or e.get("peer") for e in report["recipes"].values())
+    iters = f"; autoround with {s['iters']} iterations per layer (lr 1/iters)" if learned else ""
     lines = [f"{text}{s['num_samples']} x {s['seq_len']} calibration token ids shared by every conversion (batches of "
-             f"{s['batch_size']}); autoround with {s['iters']} iterations per layer (lr 1/iters); held-out perplexity "
+             f"{s['batch_size']}){iters}; held-out perplexity "
              f"over {report['perplexity_tokens']} tokens in windows of {s['ppl_seq_len']} (unquantized: {report['unquantized_perplexity']:.3f}); "
              f"`nice`, {s['threads']} threads on a shared 2-core machine (times are indicative).", "",
              "| recipe | held-out ppl | convert wall s | convert peak RSS MB | solver step s | solver step peak +RSS MB "

@@ -26,7 +26,8 @@ llm-compressor's side of each recipe is the same scheme in its own words (Quanti
   per-tensor (what vLLM loads; qtk's "8-bit KV" is FP8 for vLLM too); rotate (offline R1/R2) -> SpinQuantModifier
   (R1, R2, random Hadamard); rotate_online -> SpinQuant's R4, or with modules all (every Linear's input within
   blocks of N) QuIPModifier(rotations ["v"], transform_block_size N). `--recipes` names a built-in recipe, or one
-  with rotations first: `NAME+rotate`, `NAME+quipN` (variant_doc). Issue 14's formats run as llm-compressor's
+  with rotations first: `NAME+rotate`, `NAME+quipN`, with `@SEED` qtk's rotation seed (variant_doc; `--tools qtk`
+  for qtk's seeds alone). Issue 14's formats run as llm-compressor's
   own presets (LLMC_PRESETS: nvfp4-a16 -> NVFP4A16, nvfp4 -> NVFP4, nvfp4-gptq -> GPTQModifier(scheme NVFP4),
   mxfp4-a16 -> MXFP4A16, fp8-block -> FP8_BLOCK). fp8-block: both tools leave the Linears whose 576-wide input
   128-column activation groups cannot tile unquantized (fp8_block_ignores), so only down_proj is FP8-block. Static activations use "static_minmax",
@@ -107,18 +108,20 @@ def variant_doc(name: str, in_features: list[int]) -> dict:
     """A built-in recipe (qtk_recipe_doc), or one with rotations listed before its steps: `BASE+rotate` the offline
     R1/R2 (seed 0; llm-compressor: SpinQuantModifier R1, R2), `BASE+quipN` every quantized Linear's input rotated
     online within blocks of N (qtk: rotate_online modules all, block N; llm-compressor: QuIPModifier rotations
-    ["v"], transform_block_size N)."""
+    ["v"], transform_block_size N)). `@S` after the variant sets qtk's rotation seed (default 0 for rotate, 1 for
+    quipN; llm-compressor's draws its own)."""
     import re
 
     base, plus, variant = name.partition("+")
     doc = qtk_recipe_doc(base, in_features)
     if not plus:
         return doc
+    variant, at, seed = variant.partition("@")
     quip = re.fullmatch(r"quip(\d+)", variant)
     if variant == "rotate":
-        first = [{"rotate": {"seed": 0}}]
+        first = [{"rotate": {"seed": int(seed) if at else 0}}]
     elif quip:
-        first = [{"rotate_online": {"seed": 1, "block": int(quip[1]), "modules": "all"}}]
+        first = [{"rotate_online": {"seed": int(seed) if at else 1, "block": int(quip[1]), "modules": "all"}}]
     else:
         raise ValueError(f"unknown variant {variant!r} in {name!r}: use +rotate or +quipN")
     return {**doc, "name": name, "algorithm": [*first, *doc["algorithm"]]}
@@ -127,8 +130,11 @@ def variant_doc(name: str, in_features: list[int]) -> dict:
 def recipe_name(name: str) -> str:
     """argparse type of --recipes: a built-in recipe of RECIPES, with a variant of variant_doc."""
     base, plus, variant = name.partition("+")
-    if base not in RECIPES or (plus and variant != "rotate" and not variant.removeprefix("quip").isdigit()):
-        raise argparse.ArgumentTypeError(f"{name!r}: use one of {', '.join(RECIPES)}, optionally +rotate or +quipN")
+    variant, at, seed = variant.partition("@")
+    if base not in RECIPES or (plus and variant != "rotate" and not variant.removeprefix("quip").isdigit()) or \
+            (at and not seed.isdigit()):
+        raise argparse.ArgumentTypeError(f"{name!r}: use one of {', '.join(RECIPES)}, optionally +rotate or +quipN, "
+                                         "and @SEED for qtk's rotation seed")
     return name
 
 
