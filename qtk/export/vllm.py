@@ -315,11 +315,16 @@ class CompressedTensorsCheckpoint(Checkpoint):
 
     def input_rotation(self, module: str, width: int | None = None):
         """The engine's rotation of `module`'s input (read from its stored matrix, transform_tensor), None without
-        one."""
+        one. A declared transform whose matrix is stored nowhere is refused: simulated without it, the module would
+        compute something the engine does not."""
         t = self.input_transforms()[0].get(module)
-        name = self.transform_tensor(module, width)
-        if t is None or name is None:
+        if t is None:
             return None
+        name = self.transform_tensor(module, width)
+        if name is None:
+            raise UsageError(f"{self.path}: the transform_config applies {t.group} to {module}, but no matrix of its "
+                             f"order is stored ({t.tensor} or another module's of {t.group})",
+                             "the checkpoint is incomplete: export it again, or check it with qtk inspect")
         return ct_transform.DenseRotation(self.tensor(name), t.inverse)
 
     def _group_of(self, module: str):

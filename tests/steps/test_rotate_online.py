@@ -246,6 +246,11 @@ def test_inspect_fails_a_damaged_transform(wide, calib_file, tmp_path, damage):
     assert not rep.ok
     bad = {c.name: c.detail for c in rep.checks if not c.ok}
     assert ONLINE in bad and "model.layers.1.mlp.down_proj" in bad[ONLINE], bad
+    if damage == "missing":  # the simulation (qtk eval) refuses it too, rather than leave down_proj unrotated
+        from qtk.errors import UsageError
+
+        with pytest.raises(UsageError, match="no matrix of its order is stored"):
+            build_simulated_model(open_checkpoint(d))
 
 
 @pytest.mark.parametrize("target", ["trtllm", "hf-modelopt", "gptq", "awq"])
