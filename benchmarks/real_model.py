@@ -104,37 +104,43 @@ def qtk_recipe_doc(name: str, in_features: list[int]) -> dict:
     return doc
 
 
-def variant_doc(name: str, in_features: list[int]) -> dict:
-    """A built-in recipe (qtk_recipe_doc), or one with rotations listed before its steps: `BASE+rotate` the offline
+def variant_steps(name: str) -> tuple[str, list[dict]]:
+    """(the built-in recipe, the rotation steps listed before its own) of a --recipes name: `BASE+rotate` the offline
     R1/R2 (seed 0; llm-compressor: SpinQuantModifier R1, R2), `BASE+quipN` every quantized Linear's input rotated
     online within blocks of N (qtk: rotate_online modules all, block N; llm-compressor: QuIPModifier rotations
-    ["v"], transform_block_size N)). `@S` after the variant sets qtk's rotation seed (default 0 for rotate, 1 for
-    quipN; llm-compressor's draws its own)."""
+    ["v"], transform_block_size N), none for a plain name. `@S` after the variant sets qtk's rotation seed (default 0
+    for rotate, 1 for quipN; llm-compressor's draws its own). ValueError for a name it cannot read."""
     import re
 
     base, plus, variant = name.partition("+")
-    doc = qtk_recipe_doc(base, in_features)
-    if not plus:
-        return doc
     variant, at, seed = variant.partition("@")
     quip = re.fullmatch(r"quip(\d+)", variant)
+    if base not in RECIPES or (at and not seed.isdigit()):
+        raise ValueError(f"{name!r}: use one of {', '.join(RECIPES)}, optionally +rotate or +quipN, and @SEED for "
+                         "qtk's rotation seed")
+    if not plus:
+        return base, []
     if variant == "rotate":
-        first = [{"rotate": {"seed": int(seed) if at else 0}}]
-    elif quip:
-        first = [{"rotate_online": {"seed": int(seed) if at else 1, "block": int(quip[1]), "modules": "all"}}]
-    else:
-        raise ValueError(f"unknown variant {variant!r} in {name!r}: use +rotate or +quipN")
-    return {**doc, "name": name, "algorithm": [*first, *doc["algorithm"]]}
+        return base, [{"rotate": {"seed": int(seed) if at else 0}}]
+    if quip:
+        return base, [{"rotate_online": {"seed": int(seed) if at else 1, "block": int(quip[1]), "modules": "all"}}]
+    raise ValueError(f"unknown variant {variant!r} in {name!r}: use +rotate or +quipN")
+
+
+def variant_doc(name: str, in_features: list[int]) -> dict:
+    """The recipe document of a --recipes name (variant_steps): the built-in recipe (qtk_recipe_doc) with its
+    rotations listed first."""
+    base, first = variant_steps(name)
+    doc = qtk_recipe_doc(base, in_features)
+    return {**doc, "name": name, "algorithm": [*first, *doc["algorithm"]]} if first else doc
 
 
 def recipe_name(name: str) -> str:
-    """argparse type of --recipes: a built-in recipe of RECIPES, with a variant of variant_doc."""
-    base, plus, variant = name.partition("+")
-    variant, at, seed = variant.partition("@")
-    if base not in RECIPES or (plus and variant != "rotate" and not variant.removeprefix("quip").isdigit()) or \
-            (at and not seed.isdigit()):
-        raise argparse.ArgumentTypeError(f"{name!r}: use one of {', '.join(RECIPES)}, optionally +rotate or +quipN, "
-                                         "and @SEED for qtk's rotation seed")
+    """argparse type of --recipes: a name variant_steps reads."""
+    try:
+        variant_steps(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return name
 
 
