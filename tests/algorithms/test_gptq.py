@@ -176,11 +176,12 @@ def test_full_range_gptq_beats_the_half_step_grid_on_correlated_inputs():
                                      "{num_bits: 8, type: float, strategy: channel}",
                                      "{num_bits: 4, type: int, strategy: tensor}"])
 def test_full_range_gptq_refuses_weights_it_has_no_grid_for(weights):
+    import yaml
+
     from qtk.recipe import parse_recipe
 
     doc = f"name: x\nweights: {weights}\nalgorithm: [{{gptq: {{full_range: true}}}}]\n"
     with pytest.raises(UsageError, match="gptq full_range is a grid of symmetric int weights"):
-        import yaml
         parse_recipe(yaml.safe_load(doc), doc, "x")
 
 
