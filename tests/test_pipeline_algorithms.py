@@ -59,6 +59,34 @@ def test_gptq_int8_beats_rtn_int8(tiny_llama, setup):
     assert gptq < rtn
 
 
+def test_full_range_gptq_is_an_ordinary_checkpoint_with_negative_scales(tiny_llama, setup, tmp_path):
+    """gptq: {full_range: true} end to end: the vllm checkpoint stores negative scales beside positive ones, passes
+    inspect, reloads in transformers + compressed-tensors equal to qtk's simulation, and keeps GPTQ's gain over RTN."""
+    import yaml
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from qtk.recipe import builtin_recipes
+
+    doc = yaml.safe_load(builtin_recipes()["w4a16-gptq"].read_text())
+    doc["algorithm"] = [{"gptq": {**s["gptq"], "full_range": True}} if isinstance(s, dict) and "gptq" in s else s
+                        for s in doc["algorithm"]]
+    p = tmp_path / "fr.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    rtn, _ = _kl(tiny_llama, setup, "w4a16", "rtn-fr")
+    kl, res = _kl(tiny_llama, setup, str(p), "gptq-fr")
+    assert kl < 0.5 * rtn
+    d = res.outputs["vllm"]
+    scale = open_checkpoint(d).qtensor("model.layers.0.mlp.down_proj").scale
+    assert (scale < 0).any() and (scale > 0).any()
+    assert api.inspect(d).ok
+    ids = setup[2]
+    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
+    with torch.no_grad():
+        assert (ref(ids).logits - sim(ids).logits).abs().max().item() <= 1e-3
+
+
 def test_smoothquant_is_folded_into_the_stored_norms(tiny_llama, setup):
     from safetensors.torch import load_file
 
