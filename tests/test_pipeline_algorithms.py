@@ -62,18 +62,11 @@ def test_gptq_int8_beats_rtn_int8(tiny_llama, setup):
 def test_full_range_gptq_is_an_ordinary_checkpoint_with_negative_scales(tiny_llama, setup, tmp_path):
     """gptq: {full_range: true} end to end: the vllm checkpoint stores negative scales beside positive ones, passes
     inspect, reloads in transformers + compressed-tensors equal to qtk's simulation, and keeps GPTQ's gain over RTN."""
-    import yaml
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from qtk.recipe import builtin_recipes
-
-    doc = yaml.safe_load(builtin_recipes()["w4a16-gptq"].read_text())
-    doc["algorithm"] = [{"gptq": {**s["gptq"], "full_range": True}} if isinstance(s, dict) and "gptq" in s else s
-                        for s in doc["algorithm"]]
-    p = tmp_path / "fr.yaml"
-    p.write_text(yaml.safe_dump(doc))
+    p = _recipe_file(tmp_path, "w4a16-gptq", _gptq_full_range)
     rtn, _ = _kl(tiny_llama, setup, "w4a16", "rtn-fr")
-    kl, res = _kl(tiny_llama, setup, str(p), "gptq-fr")
+    kl, res = _kl(tiny_llama, setup, p, "gptq-fr")
     assert kl < 0.5 * rtn
     d = res.outputs["vllm"]
     scale = open_checkpoint(d).qtensor("model.layers.0.mlp.down_proj").scale
@@ -85,6 +78,73 @@ def test_full_range_gptq_is_an_ordinary_checkpoint_with_negative_scales(tiny_lla
     sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
     with torch.no_grad():
         assert (ref(ids).logits - sim(ids).logits).abs().max().item() <= 1e-3
+
+
+def _gptq_full_range(doc) -> None:
+    doc["algorithm"] = [{"gptq": {**s["gptq"], "full_range": True}} if isinstance(s, dict) and "gptq" in s else s
+                        for s in doc["algorithm"]]
+
+
+def _recipe_file(tmp_path, name: str, edit) -> str:
+    """A built-in recipe with `edit` applied to its document, as a file."""
+    import yaml
+
+    from qtk.recipe import builtin_recipes
+
+    doc = yaml.safe_load(builtin_recipes()[name].read_text())
+    edit(doc)
+    p = tmp_path / f"{name}-{len(list(tmp_path.glob('*.yaml')))}.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return str(p)
+
+
+def test_full_range_observer_rounds_to_nearest_on_the_full_range_grid(tiny_llama, setup, tmp_path):
+    """weights: {observer: full_range} on the data-free w4a16 recipe: every stored scale is the full-range one of the
+    source weight's group (amax / 8, signed toward the larger extreme), so the native min-max kernel was not taken;
+    the checkpoint passes inspect, reloads in transformers + compressed-tensors equal to the simulation, and is closer
+    to the float model than compressed-tensors' amax / 7.5 grid."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from qtk.quant.formats import format_for
+
+    recipe = _recipe_file(tmp_path, "w4a16", lambda d: d["weights"].update(observer="full_range"))
+    minmax, _ = _kl(tiny_llama, setup, "w4a16", "rtn-minmax")
+    kl, res = _kl(tiny_llama, setup, recipe, "rtn-full-range")
+    assert kl < minmax
+    d = res.outputs["vllm"]
+    ck = open_checkpoint(d)
+    src = load_file(str(tiny_llama / "model.safetensors"))
+    for m in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"):
+        qt = ck.qtensor(m)
+        w = src[f"{m}.weight"].float()
+        wg = w.reshape(w.shape[0], -1, qt.scheme.group_size)
+        want = format_for(qt.scheme).full_range_scale(wg.amin(-1), wg.amax(-1), qt.scheme, src[f"{m}.weight"].dtype)
+        assert torch.equal(qt.scale.float(), want)
+        assert (qt.scale < 0).any() and (qt.scale > 0).any()
+    assert api.inspect(d).ok
+    ids = setup[2]
+    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    sim = build_simulated_model(ck, simulate_activations=False, simulate_kv=False)
+    with torch.no_grad():
+        assert (ref(ids).logits - sim(ids).logits).abs().max().item() <= 1e-3
+
+
+def test_gptq_full_range_is_the_full_range_observer(tiny_llama, setup, tmp_path):
+    """gptq: {full_range: true} and weights: {observer: full_range} under GPTQ write the same codes and scales."""
+    from safetensors.torch import load_file
+
+    calib = dict(calib=str(setup[1]), num_samples=16, seq_len=64, hash_source=False)
+    a = api.convert(tiny_llama, _recipe_file(tmp_path, "w4a16-gptq", _gptq_full_range), tmp_path / "out-a", **calib)
+    observer = _recipe_file(tmp_path, "w4a16-gptq", lambda d: d["weights"].update(observer="full_range"))
+    b = api.convert(tiny_llama, observer, tmp_path / "out-b", **calib)
+    ta = load_file(str(a.outputs["vllm"] / "model.safetensors"))
+    tb = load_file(str(b.outputs["vllm"] / "model.safetensors"))
+    assert ta.keys() == tb.keys()
+    assert any((t < 0).any() for k, t in ta.items() if k.endswith("weight_scale"))
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
 
 
 def test_smoothquant_is_folded_into_the_stored_norms(tiny_llama, setup):

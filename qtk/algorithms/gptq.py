@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -206,12 +206,9 @@ def _check(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, label: str) ->
                          "calibration activations overflowed; check the calibration data or run in float32/bfloat16")
 
 
-def full_range_scale(fmt, w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> torch.Tensor:
-    """The full-range symmetric scales (IntFormat.full_range_scale) of w [out, in]: [out, in / group_size] for
-    groups, [out, 1] per channel or for one group's columns, in the model dtype's rounding as the format's scales."""
-    g = scheme.column_group
-    wg = w.reshape(w.shape[0], -1, g) if g is not None and w.shape[1] > g else w.unsqueeze(1)
-    return fmt.full_range_scale(wg.amin(-1), wg.amax(-1), scheme, fmt.scale_dtype(scheme, dtype))
+def scale_scheme(scheme: QuantScheme, params: GPTQParams) -> QuantScheme:
+    """The scheme GPTQ takes its scales with: full_range puts them on the full-range grid (observer full_range)."""
+    return replace(scheme, observer="full_range") if params.full_range else scheme
 
 
 @dataclass
@@ -266,9 +263,7 @@ def _setup(W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, params: GPTQPa
         if any_dead:
             Wq = Wq.clone()
             Wq[:, dead] = 0
-        qp = fmt.qparams(Wq, scheme, dtype)
-        if params.full_range:
-            qp = QParams(full_range_scale(fmt, Wq, scheme, dtype), qp.zero_point, qp.extra)
+        qp = fmt.qparams(Wq, scale_scheme(scheme, params), dtype)
         del Wq
     elif fmt.tensor_wide(scheme):  # the tensor-wide part (NVFP4's global scale) is fixed before the groups are
         qp = fmt.qparams(W.float(), scheme, dtype)
@@ -398,10 +393,8 @@ def _start_group(st: _Setup, solved: _Solved, W1, Err1, S1, Z1, i: int, i1: int,
         # updates still pending from this block (Err1 is zero from row i on)
         rest = st.Wt[i2:j + g] - st.Hinv[i1:i2, i2:j + g].t() @ Err1
         cols = torch.cat([cols, rest], dim=0)
-    gq = st.fmt.group_qparams(cols.t(), st.scheme, st.dtype, st.qp)  # [out, 1]
+    gq = st.fmt.group_qparams(cols.t(), scale_scheme(st.scheme, st.params), st.dtype, st.qp)  # [out, 1]
     sc, zc = gq.scale, gq.zero_point
-    if st.params.full_range:
-        sc = full_range_scale(st.fmt, cols.t(), st.scheme, st.dtype)
     solved.gscales.append(sc)
     solved.gzeros.append(zc)
     S1[i:i + g] = sc.reshape(1, -1)

@@ -28,7 +28,8 @@ class Strategy(str, Enum):
 
 STRATEGIES = tuple(s.value for s in Strategy)
 TYPES = ("int", "float")
-OBSERVERS = ("minmax", "mse")
+# full_range: symmetric int weights per channel or group on llama.cpp's / auto-round's grid (IntFormat.full_range_scale)
+OBSERVERS = ("minmax", "mse", "full_range")
 INT_BITS = (2, 4, 8)  # packable into int32 words without straddling; engines run 4 and 8
 FP8_MAX = 448.0  # float8_e4m3fn
 FLOAT_BITS = (4, 8)  # fp4 e2m1 (NVFP4, MXFP4), fp8 e4m3

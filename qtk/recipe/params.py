@@ -170,6 +170,7 @@ class GPTQParams(StepParams):
       group's larger-magnitude extreme is exactly the most negative code (the autoround step's full-range grid,
       IntFormat.full_range_scale), instead of compressed-tensors' amax / ((qmax - qmin) / 2); the checkpoint then
       stores negative scales, which decode as q · s (vLLM runs them: tests/engine). Off: llm-compressor's grid.
+      The same as the weights' `observer: full_range` (which round-to-nearest and AutoRound take too).
     """
 
     block_size: int = 128
@@ -401,7 +402,7 @@ class AutoRoundParams(StepParams):
     full_range: a symmetric int grid's scales start at amax / -qmin (amax / 8 for int4), signed so that each group's
     larger-magnitude extreme is exactly the most negative code (auto-round's int_sym, llama.cpp's), instead of
     compressed-tensors' amax / ((qmax - qmin) / 2); the checkpoint then stores negative scales, which decode as q · s
-    (vLLM runs them: tests/engine).
+    (vLLM runs them: tests/engine). The weights' `observer: full_range` turns it on too.
     Int weights per channel or group (W4A16, W8A16, W4A8; symmetric or not) and FP4 groups (NVFP4, MXFP4; W4A16 or
     W4A4); quantized activations are fake-quantized as the engine does while the rounding is learned."""
 

@@ -81,7 +81,8 @@ class Learner(_Learned):
         self.scheme, self.shape, self.scale_dtype, self.half = scheme, w.shape, scale_dtype, quotient_dtype
         self.fmt = format_for(scheme)
         # the full-range symmetric grid (IntFormat.full_range_scale): signed scales, a group's larger extreme on qmin
-        self.full = full_range and scheme.symmetric and self.fmt.signed_scales(scheme)
+        # (the autoround parameter, or the weights' own observer: full_range)
+        self.full = (full_range or scheme.observer == "full_range") and scheme.symmetric and self.fmt.signed_scales(scheme)
         self.wg = grouped(w.detach().float(), scheme)  # [out, groups, group]
         self.xmin = self.wg.amin(-1, keepdim=True).clamp_max(0)
         self.xmax = self.wg.amax(-1, keepdim=True).clamp_min(0)

@@ -194,6 +194,14 @@ def test_full_range_puts_each_groups_larger_extreme_on_the_most_negative_code(fp
         err["full"] += float((qt.dequantize().float() - w).pow(2).sum())
         err["ct"] += float((ct[t].dequantize().float() - w).pow(2).sum())
     assert err["full"] < err["ct"], err
+    # the weights' observer: full_range is the same grid, whatever the parameter, and round-to-nearest takes it too
+    observed = parse_recipe(yaml.safe_load(recipe_text(weights.replace("}", ", observer: full_range}"))), "", "ar")
+    _, by_observer, _ = solved_outputs(layer, 0, source, observed, batches, autoround.run,
+                                       AutoRoundParams(iters=1, full_range=False))
+    _, nearest, _ = solved_outputs(layer, 0, source, observed, batches, rtn.run, RTNParams())
+    for t, qt in full.items():
+        for other in (by_observer[t], nearest[t]):
+            assert torch.equal(other.values, qt.values) and torch.equal(other.scale, qt.scale), t
 
 
 def _logits(model):

@@ -1,5 +1,5 @@
 """What formats with one scale (and zero point) per tensor, output channel or group of input columns share: the
-grouped views of a weight, the min-max and MSE-grid observers, the quantize / dequantize skeleton, the scale's
+grouped views of a weight, the min-max, full-range (int) and MSE-grid observers, the quantize / dequantize skeleton, the scale's
 shape and check, the native kernel's plan and the rows that round on their own. A format (integer.py, fp8.py)
 supplies its scale rule, zero point, rounding, storage dtype and compressed-tensors layout.
 
@@ -126,7 +126,8 @@ class GroupedFormat(Format):
     def row_slab(self, scheme: QuantScheme) -> int | None:
         """Per-channel and per-group scales from the min-max observer: each scale is a min/max over part of one row,
         each code an elementwise function of the row and its scales."""
-        return 1 if scheme.strategy in (Strategy.CHANNEL, Strategy.GROUP) and scheme.observer == "minmax" else None
+        return 1 if scheme.strategy in (Strategy.CHANNEL, Strategy.GROUP) and scheme.observer in ("minmax", "full_range") \
+            else None
 
     def native_plan(self, w, scheme, model_dtype, extra=None):
         from qtk.quant.native.rounding import NativePlan
@@ -229,6 +230,8 @@ class GroupedFormat(Format):
         xmax = wg.amax(-1, keepdim=True)
         if scheme.observer == "mse":
             xmin, xmax = self._mse_shrink(wg, xmin, xmax, scheme, scale_dtype)
+        if scheme.observer == "full_range":  # symmetric int only (the recipe refuses the rest): no zero point
+            return ungroup(self.full_range_scale(xmin, xmax, scheme, scale_dtype), scheme), None
         scale, zero = self.scale_zero(xmin, xmax, scheme, scale_dtype)
         return ungroup(scale, scheme), (None if zero is None else ungroup(zero, scheme))
 
