@@ -98,8 +98,8 @@ def declare_step(name: str, *, phase: Phase, solver: bool = False, conflicts: Ma
     under the same name with qtk.steps.registry.register_step.
 
     solver: the step decides how the weights are rounded, and a recipe lists exactly one solver, last (rtn, gptq;
-    awq, a transform whose weights round-to-nearest then rounds). conflicts: {other step: why}, a pair a recipe may
-    not list together. title: how messages name it."""
+    awq, a transform whose weights round-to-nearest then rounds, or the solver listed after it). conflicts: {other
+    step: why}, a pair a recipe may not list together. title: how messages name it."""
 
     def deco(cls):
         for attr in ("needs_data", "changes_frame", "iterative", "float_stream", "cost"):  # what a class that is no StepParams leaves out
@@ -121,10 +121,13 @@ def check_steps(names: list[str], origin: str) -> None:
     if len(set(names)) != len(names):
         raise UsageError(f"{origin}: algorithm lists a step twice ({names})", "list each step once")
     solvers = [n for n in names if STEP_PARAMS[n].solver]
-    if len(solvers) != 1 or names[-1] != solvers[0]:
+    # a transform that solves when it is last (awq: its weights then round to nearest) may come before the solver
+    # that rounds its weights instead ([awq, gptq], [awq, autoround])
+    early = [n for n in solvers[:-1] if STEP_PARAMS[n].phase is not Phase.TRANSFORM]
+    if not solvers or names[-1] != solvers[-1] or early:
         every = [n for n, c in STEP_PARAMS.items() if c.solver]
         raise UsageError(f"{origin}: algorithm must end with exactly one of {', '.join(every)} (got {names})",
-                         "e.g. [smoothquant, gptq] or [awq]")
+                         "e.g. [smoothquant, gptq], [awq] or [awq, gptq]")
     for a, b in zip(names, names[1:]):
         pa, pb = STEP_PARAMS[a].phase, STEP_PARAMS[b].phase
         if pb < pa:
@@ -382,8 +385,7 @@ class OnlineRotateParams(StepParams):
 
 
 @declare_step("autoround", phase=Phase.SOLVE, solver=True, title="AutoRound",
-              conflicts={"gptq": "both solve the rounding of the same weights", "awq": "AWQ's clipped weights "
-                         "round to nearest, AutoRound learns its own clipping"})
+              conflicts={"gptq": "both solve the rounding of the same weights"})
 @dataclass(frozen=True)
 class AutoRoundParams(StepParams):
     """AutoRound / SignRound (Cheng et al., 2023; intel/auto-round): per decoder layer, a rounding offset V in

@@ -40,10 +40,22 @@ def test_static_activations_are_observed_after_smoothing_and_before_solving():
     assert plan[0][1].alpha == 0.5  # the listed step keeps its parameters
 
 
+@pytest.mark.parametrize("solver", ["gptq", "autoround"])
+def test_awq_before_a_solver_transforms_and_the_solver_rounds(solver):
+    """[awq, gptq] and [awq, autoround]: AWQ's scales and clips are a transform, the listed solver rounds (no
+    round-to-nearest implied); [awq] alone still rounds to nearest."""
+    w4 = {"num_bits": 4, "strategy": "group", "group_size": 32}
+    plan = plan_steps(parse_recipe({"name": "x", "weights": w4, "algorithm": ["awq", solver]}))
+    assert [(s.name, s.phase) for s, _ in plan] == [("awq", Phase.TRANSFORM), (solver, Phase.SOLVE)]
+    assert [s.name for s, _ in plan_steps(parse_recipe({"name": "x", "weights": w4, "algorithm": ["awq"]}))] == \
+        ["awq", "rtn"]
+
+
 @pytest.mark.parametrize("steps,problem", [
     (["smoothquant"], "must end with exactly one of rtn, gptq, awq, autoround (got ['smoothquant'])"),
     (["gptq", "rtn"], "must end with exactly one of rtn, gptq, awq"),
-    (["awq", "gptq"], "must end with exactly one of rtn, gptq, awq"),
+    (["awq", "rtn", "gptq"], "must end with exactly one of rtn, gptq, awq"),
+    (["gptq", "awq"], "must end with exactly one of rtn, gptq, awq"),
     (["smoothquant", "awq"], "awq and smoothquant both rescale the same channels"),
     (["gptq", "gptq"], "lists a step twice"),
 ])
