@@ -147,6 +147,31 @@ def test_gptq_full_range_is_the_full_range_observer(tiny_llama, setup, tmp_path)
         assert torch.equal(ta[k], tb[k]), k
 
 
+def test_awq_then_gptq_smooths_and_solves(tiny_llama, setup, tmp_path):
+    """[awq, gptq]: AWQ's scales are folded into the stored norms and GPTQ rounds (its records, no round-to-nearest);
+    the checkpoint reloads in transformers + compressed-tensors equal to the simulation and beats RTN."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    recipe = _recipe_file(tmp_path, "w4a16-awq", lambda d: d.update(algorithm=["awq", "gptq"]))
+    rtn, _ = _kl(tiny_llama, setup, "w4a16", "rtn-for-awq-gptq")
+    kl, res = _kl(tiny_llama, setup, recipe, "awq-gptq")
+    assert kl < rtn
+    d = res.outputs["vllm"]
+    man = json.loads((d / "qtk.json").read_text())
+    steps = man["stats"]["algorithm"]["0"]
+    assert "awq" in steps and "gptq" in steps and "rtn" not in steps
+    src = load_file(str(tiny_llama / "model.safetensors"))
+    out = load_file(str(d / "model.safetensors"))
+    assert not torch.equal(src["model.layers.0.input_layernorm.weight"], out["model.layers.0.input_layernorm.weight"])
+    ids = setup[2]
+    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
+    with torch.no_grad():
+        assert (ref(ids).logits - sim(ids).logits).abs().max().item() <= 1e-3
+
+
 def test_smoothquant_is_folded_into_the_stored_norms(tiny_llama, setup):
     from safetensors.torch import load_file
 
