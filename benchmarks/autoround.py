@@ -5,11 +5,14 @@ GPTQ's step (time and peak memory, per step, summed over the layers).
     QTK_REAL_MODEL_DIR=... nice .venv/bin/python benchmarks/autoround.py [--recipes w4a16 w4a16-gptq w4a16-autoround]
         [--iters 200] [--batch-size 8] [--num-samples 16] [--seq-len 512] [--text a|b]
 
-A recipe name may carry a variant: `NAME:target=layer` sets the solver step's parameters (autoround's or gptq's; here
-autoround's target: the layer's own float outputs instead of the float model's stream; `w4a16-gptq:full_range=true`
-GPTQ on the full-range grid), `NAME+rotate` lists the offline rotations (R1/R2,
-seed 0) before its steps, as benchmarks/rotation.py's `+ rotate`, and `NAME/autoround` solves the built-in recipe's
-formats with autoround instead of its own solver (e.g. `nvfp4/autoround`: NVFP4 W4A4 learned). --text b calibrates and scores on the second text
+A recipe name may carry a variant: `NAME:target=layer` sets the solver step's parameters (autoround's, gptq's or awq's;
+here autoround's target: the layer's own float outputs instead of the float model's stream; `w4a16-gptq:full_range=true`
+GPTQ on the full-range grid) or the weights scheme's (`w4a16:observer=full_range`: round-to-nearest on that grid), `NAME+rotate` lists the offline rotations (R1/R2,
+seed 0) before its steps, as benchmarks/rotation.py's `+ rotate` (any of its variants; or benchmarks/real_model.py's
+`+quipN`: every quantized Linear's input rotated online in blocks of N), and `NAME/autoround` solves the built-in recipe's
+formats with autoround instead of its own solver (e.g. `nvfp4/autoround`: NVFP4 W4A4 learned; `nvfp4/awq,autoround`:
+AWQ's scales first); `NAME/float-weights` converts nothing and scores the float model with only the recipe's
+activation quantization (what no weight solver goes below without changing the activations). --text b calibrates and scores on the second text
 set (benchmarks/real_model.py's), into benchmarks/results/autoround_b.json and its own table. --peer-python runs
 intel/auto-round itself on the same ids (benchmarks/_autoround_peer.py): W4A16, or with --peer-scheme NVFP4 its own
 NVFP4 W4A4 scheme, beside `nvfp4/autoround`.
@@ -83,18 +86,38 @@ def variant_doc(name: str, in_features) -> dict:
     base, plus, extra = base.partition("+")
     base, slash, solver = base.partition("/")
     doc = rm.qtk_recipe_doc(base, in_features)
-    if slash:  # the recipe's steps before its solver, then `solver` (autoround: the recipe's formats, learned)
+    if slash:  # the recipe's steps before its solver, then `solver` (autoround: the recipe's formats, learned;
+        # `awq,gptq`: several steps in that order)
         kept = [s for s in doc.get("algorithm", []) if (next(iter(s)) if isinstance(s, dict) else s)
                 not in ("rtn", "gptq", "awq", "autoround")]
-        doc["algorithm"] = [*kept, {solver: {}}]
-    if plus:
-        doc = rot.rotated(doc, extra)
-    if params:  # the solver step's parameters (autoround, or gptq)
+        doc["algorithm"] = [*kept, *({n: {}} for n in solver.split(","))]
+    if plus:  # one of rotation.py's variants, or real_model.py's (`quipN`, `@SEED`)
+        doc = rot.rotated(doc, extra) if extra in rot.VARIANTS else \
+            {**doc, "algorithm": [*rm.rotation_steps(extra, name), *doc["algorithm"]]}
+    if params:  # the solver step's parameters (autoround, gptq or awq), or the weights scheme's (observer=...)
         kv = {k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in params.split(","))}
+        doc["weights"] = {**doc["weights"], **{k: v for k, v in kv.items() if k in _scheme_keys()}}
         algo = [s if isinstance(s, dict) else {s: {}} for s in doc["algorithm"]]
-        doc["algorithm"] = [{n: {**(p or {}), **kv}} if n in ("autoround", "gptq") else {n: p}
-                            for (n, p), in (a.items() for a in algo)]
+        doc["algorithm"] = [{n: {**(p or {}), **{k: v for k, v in kv.items() if takes(n, k)}}} for (n, p), in
+                            (a.items() for a in algo)]
     return {**doc, "name": _file_safe(name)}
+
+
+def takes(step: str, key: str) -> bool:
+    """Whether the recipe step `step` (autoround, gptq or awq) has the parameter `key`."""
+    from dataclasses import fields
+
+    from qtk.recipe.params import STEP_PARAMS
+
+    return step in ("autoround", "gptq", "awq") and key in {f.name for f in fields(STEP_PARAMS[step])}
+
+
+def _scheme_keys() -> set[str]:
+    from dataclasses import fields
+
+    from qtk.quant.scheme import QuantScheme
+
+    return {f.name for f in fields(QuantScheme)}
 
 
 def _file_safe(name: str) -> str:
@@ -122,7 +145,7 @@ def render(report: dict) -> str:
              "| layer output MSE, first -> kept (mean over layers) |", "|---|---|---|---|---|---|---|"]
     for name, e in report["recipes"].items():
         st = e.get("steps", {})
-        solver = next((n for n in ("autoround", "gptq", "rtn") if n in st), None)
+        solver = next((n for n in ("autoround", "gptq", "awq", "rtn") if n in st), None)
         group = f" (group {e['group_size']})" if e.get("group_size") else ""
         ls = e.get("layer_losses")
         mse = "—"
@@ -131,6 +154,10 @@ def render(report: dict) -> str:
             best = sum(v["best"] for v in ls.values()) / len(ls)
             mse = f"{first:.4g} -> {best:.4g}"
         label = f"{e['peer']} (peer){group}" if e.get("peer") else f"`{name}`{group}"
+        if e.get("activations_only"):
+            lines.append(f"| `{name}` (float weights, the recipe's activation quantization alone) | "
+                         f"{e['perplexity']:.3f} | — | — | — | — | — |")
+            continue
         lines.append(f"| {label} | {e['perplexity']:.3f} | {e['wall_s']:.0f} | {e['peak_rss_mb']:.0f} | "
                      f"{'—' if solver is None else format(st[solver]['s'], '.1f') + f' ({solver})'} | "
                      f"{'—' if solver is None else format(st[solver]['peak_extra_rss_mb'], '.0f')} | {mse} |")
@@ -201,6 +228,15 @@ def main():
             print(name, results[name], flush=True)
             save(a, results, settings, model, windows, base_ppl)
             continue
+        if name.endswith(FLOOR):  # the recipe's activation quantization alone, on the float weights
+            t0 = time.perf_counter()
+            ppl = activations_only_ppl(model, rm.qtk_recipe_doc(name[:-len(FLOOR)], in_features), ids, windows,
+                                       a.batch_size)
+            results[name] = {"perplexity": round(ppl, 4), "wall_s": round(time.perf_counter() - t0, 1), "steps": {},
+                             "activations_only": True}
+            print(name, results[name], flush=True)
+            save(a, results, settings, model, windows, base_ppl)
+            continue
         doc = with_iters(variant_doc(name, in_features), a.iters)
         out = a.work / doc["name"]
         rfile = a.work / f"{doc['name']}.recipe.json"
@@ -218,6 +254,47 @@ def main():
                          "algorithm": doc["algorithm"], **({"layer_losses": losses(out)} if "autoround" in steps else {})}
         print(name, {k: v for k, v in results[name].items() if k != "layer_losses"}, flush=True)
         save(a, results, settings, model, windows, base_ppl)
+
+
+FLOOR = "/float-weights"  # `RECIPE/float-weights`: activations_only_ppl
+
+
+def activations_only_ppl(model: Path, doc: dict, ids, windows, batch_size: int) -> float:
+    """Held-out perplexity of the float model with only the recipe's activation quantization: every quantized
+    Linear's input fake-quantized as the engine does (fake_quant_activation), static scales from the largest input
+    each Linear saw over the calibration ids (one forward, batches of batch_size), the weights left float. What no
+    weight solver can go below without changing the activations (smoothing, rotations)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qtk.quant.formats import fake_quant_activation, static_scale
+    from qtk.recipe import parse_recipe
+
+    recipe = parse_recipe(doc, json.dumps(doc), doc["name"])
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    acts = {}
+    for n, mod in m.named_modules():
+        ms = recipe.scheme_for(n) if isinstance(mod, torch.nn.Linear) else None
+        if ms is not None and ms.engine_activations is not None:
+            acts[n] = (mod, ms.engine_activations)
+    if not acts:
+        raise SystemExit(f"{doc['name']}: no quantized activations to measure")
+    amax = {n: torch.zeros(()) for n in acts}
+
+    def seen(n):
+        return lambda mod, args: amax.__setitem__(n, torch.maximum(amax[n], args[0].detach().abs().amax()))
+
+    hooks = [mod.register_forward_pre_hook(seen(n)) for n, (mod, _) in acts.items()]
+    with torch.no_grad():
+        for b in ids.split(batch_size):
+            m(b)
+    for h in hooks:
+        h.remove()
+    for n, (mod, act) in acts.items():
+        scale = static_scale(amax[n], act) if act.has_static_scale else None
+        mod.register_forward_pre_hook(lambda mod, args, act=act, scale=scale:
+                                      (fake_quant_activation(args[0], act, scale), *args[1:]))
+    return rm.perplexity(m, windows)
 
 
 def run_peer(a, model: Path, ids_file: Path, in_features, windows) -> dict:

@@ -105,26 +105,32 @@ def qtk_recipe_doc(name: str, in_features: list[int]) -> dict:
 
 
 def variant_steps(name: str) -> tuple[str, list[dict]]:
-    """(the built-in recipe, the rotation steps listed before its own) of a --recipes name: `BASE+rotate` the offline
-    R1/R2 (seed 0; llm-compressor: SpinQuantModifier R1, R2), `BASE+quipN` every quantized Linear's input rotated
-    online within blocks of N (qtk: rotate_online modules all, block N; llm-compressor: QuIPModifier rotations
-    ["v"], transform_block_size N), none for a plain name. `@S` after the variant sets qtk's rotation seed (default 0
-    for rotate, 1 for quipN; llm-compressor's draws its own). ValueError for a name it cannot read."""
-    import re
-
+    """(the built-in recipe, the rotation steps listed before its own) of a --recipes name: `BASE+VARIANT` with
+    VARIANT read by rotation_steps, none for a plain name. ValueError for a name it cannot read."""
     base, plus, variant = name.partition("+")
-    variant, at, seed = variant.partition("@")
-    quip = re.fullmatch(r"quip(\d+)", variant)
-    if base not in RECIPES or (at and not seed.isdigit()):
+    if base not in RECIPES:
         raise ValueError(f"{name!r}: use one of {', '.join(RECIPES)}, optionally +rotate or +quipN, and @SEED for "
                          "qtk's rotation seed")
-    if not plus:
-        return base, []
+    return base, rotation_steps(variant, name) if plus else []
+
+
+def rotation_steps(variant: str, name: str = "") -> list[dict]:
+    """The rotation steps a variant names: `rotate` the offline R1/R2 (seed 0; llm-compressor: SpinQuantModifier R1,
+    R2), `quipN` every quantized Linear's input rotated online within blocks of N (qtk: rotate_online modules all,
+    block N; llm-compressor: QuIPModifier rotations ["v"], transform_block_size N). `@S` after the variant sets qtk's
+    rotation seed (default 0 for rotate, 1 for quipN; llm-compressor's draws its own). ValueError for a variant it
+    cannot read."""
+    import re
+
+    variant, at, seed = variant.partition("@")
+    quip = re.fullmatch(r"quip(\d+)", variant)
+    if at and not seed.isdigit():
+        raise ValueError(f"{name or variant!r}: @SEED takes a whole number")
     if variant == "rotate":
-        return base, [{"rotate": {"seed": int(seed) if at else 0}}]
+        return [{"rotate": {"seed": int(seed) if at else 0}}]
     if quip:
-        return base, [{"rotate_online": {"seed": int(seed) if at else 1, "block": int(quip[1]), "modules": "all"}}]
-    raise ValueError(f"unknown variant {variant!r} in {name!r}: use +rotate or +quipN")
+        return [{"rotate_online": {"seed": int(seed) if at else 1, "block": int(quip[1]), "modules": "all"}}]
+    raise ValueError(f"unknown variant {variant!r} in {name or variant!r}: use +rotate or +quipN")
 
 
 def variant_doc(name: str, in_features: list[int]) -> dict:

@@ -2,6 +2,7 @@
 benchmarks/real_model.py's translation of qtk recipes to llm-compressor's and its code comparison."""
 
 import importlib.util
+import math
 import json
 import subprocess
 import sys
@@ -150,3 +151,44 @@ def test_compare_codes_reads_fp4_nibbles_and_global_scales(bench, tmp_path, cali
     m = k[: -len(".weight_packed")]
     assert c["codes_differ"] == 1 and c["per_tensor"][m]["codes_equal"] == pytest.approx(1 - 1 / (2 * sd[k].numel()))
     assert c["global_scales_equal"] == f"{c['tensors'] - 1} of {c['tensors']}"
+
+
+def test_autoround_benchmark_names_read_as_recipes():
+    """benchmarks/autoround.py's --recipes names: `/a,b` the recipe's formats solved by those steps, `+quipN` the
+    online rotation first, `:k=v` each to the steps (or the weights scheme) that take it; each name parses as a
+    recipe qtk runs."""
+    from qtk.recipe import parse_recipe
+
+    ar = _load(ROOT / "benchmarks" / "autoround.py", "bench_autoround")
+
+    def doc(name):
+        d = ar.variant_doc(name, [576, 1536])
+        parse_recipe(d, json.dumps(d), d["name"])
+        return d
+
+    assert doc("nvfp4/awq,autoround")["algorithm"] == [{"awq": {}}, {"autoround": {}}]
+    assert doc("nvfp4/awq,gptq:block_size=64")["algorithm"] == [{"awq": {}}, {"gptq": {"block_size": 64}}]
+    d = doc("w4a16:observer=full_range")
+    assert d["weights"]["observer"] == "full_range" and d["algorithm"] == [{"rtn": {}}]
+    assert doc("w4a16-autoround+quip64")["algorithm"][0] == {"rotate_online": {"seed": 1, "block": 64, "modules": "all"}}
+    assert doc("w4a16-autoround+rotate_online")["algorithm"][0] == {"rotate_online": {"seed": 1}}
+    with pytest.raises(ValueError, match="use \\+rotate or \\+quipN"):
+        ar.variant_doc("w4a16-autoround+quipx", [576])
+
+
+def test_activations_only_perplexity_quantizes_the_inputs_and_nothing_else(tmp_path):
+    """`RECIPE/float-weights`: the float model with only the recipe's input quantization (NVFP4 W4A4's, static
+    scales from the calibration ids): its perplexity moves away from the float model's, and leaving every input
+    unquantized (a 16-bit activation scheme: none to quantize) is refused rather than reported as a floor."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ar = _load(ROOT / "benchmarks" / "autoround.py", "bench_autoround")
+    model = make_tiny_model(tmp_path / "m", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids, windows = torch.randint(0, 32, (8, 32), generator=g), torch.randint(0, 32, (4, 32), generator=g)
+    base = ar.rm.perplexity(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), windows)
+    w4a4 = ar.activations_only_ppl(model, ar.rm.qtk_recipe_doc("nvfp4", [64, 128]), ids, windows, 4)
+    assert w4a4 != pytest.approx(base, rel=1e-4) and math.isfinite(w4a4)
+    with pytest.raises(SystemExit, match="no quantized activations"):
+        ar.activations_only_ppl(model, ar.rm.qtk_recipe_doc("w4a16", [64, 128]), ids, windows, 4)
