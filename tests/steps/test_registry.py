@@ -26,6 +26,7 @@ def test_every_recipe_step_has_an_implementation_with_its_declared_phase():
 @pytest.mark.parametrize("recipe,plan", [
     ("w4a16", ["rtn"]), ("w4a16-gptq", ["gptq"]), ("w4a16-awq", ["awq", "rtn"]), ("w8a8-sq", ["smoothquant", "rtn"]),
     ("fp8", ["input_amax", "rtn"]), ("int8-kv8", ["smoothquant", "gptq"]), ("fp8-dynamic", ["rtn"]),
+    ("nvfp4-autoround", ["awq", "input_amax", "autoround"]),
 ])
 def test_each_built_in_recipe_plans_its_steps_in_phase_order(recipe, plan):
     assert [s.name for s, _ in plan_steps(load_recipe(recipe))] == plan
