@@ -62,8 +62,6 @@ def test_gptq_int8_beats_rtn_int8(tiny_llama, setup):
 def test_full_range_gptq_is_an_ordinary_checkpoint_with_negative_scales(tiny_llama, setup, tmp_path):
     """gptq: {full_range: true} end to end: the vllm checkpoint stores negative scales beside positive ones, passes
     inspect, reloads in transformers + compressed-tensors equal to qtk's simulation, and keeps GPTQ's gain over RTN."""
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
     p = _recipe_file(tmp_path, "w4a16-gptq", _gptq_full_range)
     rtn, _ = _kl(tiny_llama, setup, "w4a16", "rtn-fr")
     kl, res = _kl(tiny_llama, setup, p, "gptq-fr")
@@ -72,7 +70,13 @@ def test_full_range_gptq_is_an_ordinary_checkpoint_with_negative_scales(tiny_lla
     scale = open_checkpoint(d).qtensor("model.layers.0.mlp.down_proj").scale
     assert (scale < 0).any() and (scale > 0).any()
     assert api.inspect(d).ok
-    ids = setup[2]
+    _assert_reloads_as_simulated(d, setup[2])
+
+
+def _assert_reloads_as_simulated(d, ids) -> None:
+    """The checkpoint in d, decompressed by transformers + compressed-tensors, gives qtk's simulated logits."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
     ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
                                                quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
     sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
@@ -104,7 +108,6 @@ def test_full_range_observer_rounds_to_nearest_on_the_full_range_grid(tiny_llama
     the checkpoint passes inspect, reloads in transformers + compressed-tensors equal to the simulation, and is closer
     to the float model than compressed-tensors' amax / 7.5 grid."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     from qtk.quant.formats import format_for
 
@@ -123,12 +126,7 @@ def test_full_range_observer_rounds_to_nearest_on_the_full_range_grid(tiny_llama
         assert torch.equal(qt.scale.float(), want)
         assert (qt.scale < 0).any() and (qt.scale > 0).any()
     assert api.inspect(d).ok
-    ids = setup[2]
-    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
-                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    sim = build_simulated_model(ck, simulate_activations=False, simulate_kv=False)
-    with torch.no_grad():
-        assert (ref(ids).logits - sim(ids).logits).abs().max().item() <= 1e-3
+    _assert_reloads_as_simulated(d, setup[2])
 
 
 def test_gptq_full_range_is_the_full_range_observer(tiny_llama, setup, tmp_path):
@@ -151,8 +149,6 @@ def test_awq_then_gptq_smooths_and_solves(tiny_llama, setup, tmp_path):
     """[awq, gptq]: AWQ's scales are folded into the stored norms and GPTQ rounds (its records, no round-to-nearest);
     the checkpoint reloads in transformers + compressed-tensors equal to the simulation and beats RTN."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
     recipe = _recipe_file(tmp_path, "w4a16-awq", lambda d: d.update(algorithm=["awq", "gptq"]))
     rtn, _ = _kl(tiny_llama, setup, "w4a16", "rtn-for-awq-gptq")
     kl, res = _kl(tiny_llama, setup, recipe, "awq-gptq")
@@ -164,12 +160,7 @@ def test_awq_then_gptq_smooths_and_solves(tiny_llama, setup, tmp_path):
     src = load_file(str(tiny_llama / "model.safetensors"))
     out = load_file(str(d / "model.safetensors"))
     assert not torch.equal(src["model.layers.0.input_layernorm.weight"], out["model.layers.0.input_layernorm.weight"])
-    ids = setup[2]
-    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
-                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
-    with torch.no_grad():
-        assert (ref(ids).logits - sim(ids).logits).abs().max().item() <= 1e-3
+    _assert_reloads_as_simulated(d, setup[2])
 
 
 def test_smoothquant_is_folded_into_the_stored_norms(tiny_llama, setup):

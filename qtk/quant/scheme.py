@@ -78,6 +78,12 @@ class QuantScheme:
         return self.dynamic is False or self.dynamic == LOCAL
 
     @property
+    def has_full_range_grid(self) -> bool:
+        """Whether the full-range grid (observer full_range, gptq / autoround full_range) exists for these values:
+        symmetric int per output channel or group."""
+        return self.type == "int" and self.symmetric and self.strategy in (Strategy.CHANNEL, Strategy.GROUP)
+
+    @property
     def column_group(self) -> int | None:
         """How many consecutive input columns share one scale (None: all of them, per tensor or channel)."""
         if self.strategy in (Strategy.GROUP, Strategy.TENSOR_GROUP):

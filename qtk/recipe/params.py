@@ -219,11 +219,9 @@ class GPTQParams(StepParams):
         """full_range: every scheme's weights symmetric int per channel or group (the grid it changes)."""
         if not self.full_range:
             return
-        from qtk.quant.scheme import Strategy
-
         for m in recipe.schemes:
             w = m.weights
-            if not (w.type == "int" and w.symmetric and w.strategy in (Strategy.CHANNEL, Strategy.GROUP)):
+            if not w.has_full_range_grid:
                 raise UsageError(f"{origin}: gptq full_range is a grid of symmetric int weights per channel or group, "
                                  f"not {w.describe()}", "remove full_range, or use symmetric int weights")
 

@@ -74,8 +74,7 @@ def validate_scheme(s: QuantScheme, where: str, role: str) -> None:
         raise UsageError(f"{where}.strategy: unknown strategy {s.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
     if s.observer not in OBSERVERS:
         raise UsageError(f"{where}.observer: unknown observer {s.observer!r}", f"use one of {', '.join(OBSERVERS)}")
-    if s.observer == "full_range" and not (role == "weights" and s.type == "int" and s.symmetric
-                                            and s.strategy in (Strategy.CHANNEL, Strategy.GROUP)):
+    if s.observer == "full_range" and not (role == "weights" and s.has_full_range_grid):
         raise UsageError(f"{where}.observer: full_range is a grid of symmetric int weights per channel or group",
                          "use observer: minmax, or symmetric int weights with strategy channel or group")
     fmt = format_claiming(s)
