@@ -403,6 +403,13 @@ class AutoRoundParams(StepParams):
     larger-magnitude extreme is exactly the most negative code (auto-round's int_sym, llama.cpp's), instead of
     compressed-tensors' amax / ((qmax - qmin) / 2); the checkpoint then stores negative scales, which decode as q · s
     (vLLM runs them: tests/engine). The weights' `observer: full_range` turns it on too.
+    smooth: also learn, with the rounding, a per-channel smoothing scale s for each of the layer's smoothing pairs
+    (the ones AWQ and SmoothQuant fold: a norm or a Linear's output rows divided by s, the Linears reading it
+    multiplied by s column-wise, so the float model is unchanged): the learned equivalent transformation of
+    OmniQuant (Shao et al., 2023), which moves what W4A4 activations cannot hold into the weights, where the learned
+    rounding takes it; the activations' rounding error is then differentiated through their group maxima. s starts at
+    1 (on top of what a transform before it folded) and moves in log space; smooth_lr is its step (0: lr). The scales
+    are folded in and recorded (the frame the weights were quantized in), the static input ranges re-observed.
     Int weights per channel or group (W4A16, W8A16, W4A8; symmetric or not) and FP4 groups (NVFP4, MXFP4; W4A16 or
     W4A4); quantized activations are fake-quantized as the engine does while the rounding is learned."""
 
@@ -413,9 +420,13 @@ class AutoRoundParams(StepParams):
     seed: int = 0
     target: str = "model"
     full_range: bool = True
+    smooth: bool = False
+    smooth_lr: float = 0.0
 
     needs_data = True
     iterative = True
+    # with `smooth` it folds scales into the layer; its record then holds them (without, it reframes nothing)
+    changes_frame = True
 
     @property
     def float_stream(self) -> bool:
@@ -428,6 +439,10 @@ class AutoRoundParams(StepParams):
     @property
     def clip_lr(self) -> float:
         return self.minmax_lr if self.minmax_lr > 0 else self.step_lr
+
+    @property
+    def scale_lr(self) -> float:
+        return self.smooth_lr if self.smooth_lr > 0 else self.step_lr
 
     def cost(self, model: ModelCost) -> StepCost:
         """One forward of each layer for its float outputs (the loss's target), kept beside its inputs; then iters
@@ -453,6 +468,8 @@ class AutoRoundParams(StepParams):
             raise UsageError(f"{where}.lr: must be in [0, 1] (0: 1/iters), got {self.lr}", "use e.g. 0.005 or 0 for 1/iters")
         if not 0 <= self.minmax_lr <= 1:
             raise UsageError(f"{where}.minmax_lr: must be in [0, 1] (0: lr), got {self.minmax_lr}", "use e.g. 0.005 or 0 for lr")
+        if not 0 <= self.smooth_lr <= 1:
+            raise UsageError(f"{where}.smooth_lr: must be in [0, 1] (0: lr), got {self.smooth_lr}", "use e.g. 0.01 or 0 for lr")
         if not 0 <= self.seed < 2**63:
             raise UsageError(f"{where}.seed: must be in [0, 2^63), got {self.seed}", "use e.g. 0")
         if self.target not in ("model", "layer"):

@@ -26,7 +26,7 @@ it; the loop swaps the solved Linears in, so the next layer sees what the engine
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.func import functional_call
@@ -34,11 +34,16 @@ from torch.func import functional_call
 from qtk.quant.formats import fake_quant_activation, format_for, static_scale
 from qtk.quant.formats.grouped import grouped, ungroup
 from qtk.quant.fp4 import FP4_MAX, fp4_decode, fp4_encode
+from qtk.algorithms.smooth import fold_into_linear_rows, fold_into_norm, scale_linear_columns
 from qtk.quant.qtensor import QTensor
+from qtk.quant.scheme import Strategy
 from qtk.recipe.params import AutoRoundParams
+from qtk.steps.capture import sequential_groups
 from qtk.steps.context import LayerContext
+from qtk.steps.observe import observe_input_amax
 from qtk.steps.records import StepRecord, register_record
 from qtk.steps.registry import register_step
+from qtk.steps.smoothing import fold, smoothed_weight, smoothing_pairs
 
 V_BOUND = 0.5  # |V|: an offset of more than half a step would skip a grid point
 CLIP_BOUNDS = (0.5, 1.0)  # the factors on a group's min and max: clip at most half the range, never widen it
@@ -83,13 +88,18 @@ class Learner(_Learned):
         # the full-range symmetric grid (IntFormat.full_range_scale): signed scales, a group's larger extreme on qmin
         # (the autoround parameter, or the weights' own observer: full_range)
         self.full = (full_range or scheme.observer == "full_range") and scheme.symmetric and self.fmt.signed_scales(scheme)
-        self.wg = grouped(w.detach().float(), scheme)  # [out, groups, group]
-        self.xmin = self.wg.amin(-1, keepdim=True).clamp_max(0)
-        self.xmax = self.wg.amax(-1, keepdim=True).clamp_min(0)
+        self.rebase(w.detach())
         self.v = torch.zeros_like(self.wg, requires_grad=True)
         self.alpha = torch.ones_like(self.xmax, requires_grad=minmax)
         self.beta = torch.ones_like(self.xmin, requires_grad=minmax)
         self.factors = (self.alpha, self.beta)
+
+    def rebase(self, w: torch.Tensor, extra=None) -> None:
+        """Learn on weight w [out, in] from now on (a smoothed one; differentiable in what made it): its groups and
+        their min and max, which the clipping factors multiply. `extra` is for FP4 grids only."""
+        self.wg = grouped(w.float(), self.scheme)  # [out, groups, group]
+        self.xmin = self.wg.amin(-1, keepdim=True).clamp_max(0)
+        self.xmax = self.wg.amax(-1, keepdim=True).clamp_min(0)
 
     def qdq(self) -> torch.Tensor:
         """The dequantized weight [out, in] under the current V and factors, as the format's integer grid computes
@@ -148,14 +158,20 @@ class FP4Learner(_Learned):
     two). The stored scale's rounding and the e2m1 rounding are passed through to the gradient."""
 
     def __init__(self, w: torch.Tensor, scheme, minmax: bool, model_dtype: torch.dtype, extra=None):
-        self.scheme, self.shape, self.dtype, self.extra = scheme, w.shape, model_dtype, extra
+        self.scheme, self.shape, self.dtype = scheme, w.shape, model_dtype
         self.fmt = format_for(scheme)
-        out, inp = w.shape
-        self.wg = w.detach().float().reshape(out, inp // scheme.group_size, scheme.group_size)
-        self.amax = self.wg.abs().amax(-1)  # [out, G]
+        self.rebase(w.detach(), extra)
         self.v = torch.zeros_like(self.wg, requires_grad=True)
         self.alpha = torch.ones_like(self.amax, requires_grad=minmax)
         self.factors = (self.alpha,)
+
+    def rebase(self, w: torch.Tensor, extra=None) -> None:
+        """Learn on weight w [out, in] from now on, under the tensor-wide part of the scales `extra` (NVFP4's
+        global scale, of the weights as they are now)."""
+        out, inp = w.shape
+        self.wg = w.float().reshape(out, inp // self.scheme.group_size, self.scheme.group_size)
+        self.amax = self.wg.abs().amax(-1)  # [out, G]
+        self.extra = extra
 
     def _scales(self):
         """The stored QParams of the clipped groups and their decode multiplier [out, G, 1], the latter equal in value
@@ -180,36 +196,109 @@ class FP4Learner(_Learned):
         return QTensor.of(values, qp, self.scheme, dtype)
 
 
-def learners_for(ctx: LayerContext, names: list[str], minmax: bool, full_range: bool = False) -> dict:
-    """A learner for each of `names` on its format's grid (Format.learned_grid; the recipe check refused the
-    others); FP4 weights the engines fuse (q/k/v, gate/up) share the tensor-wide part of their scales (NVFP4's
-    global scale, from their joint max) as round-to-nearest's and GPTQ's do."""
+def tensor_wide_extras(ctx: LayerContext, weights: dict[str, torch.Tensor]) -> dict[str, dict | None]:
+    """The tensor-wide part of each weight's scales (NVFP4's global scale; None for formats without one): weights
+    the engines fuse (q/k/v, gate/up) share it, from their joint max, as round-to-nearest's and GPTQ's do."""
     extras: dict[str, dict | None] = {}
     for g in ctx.arch.fusion_groups:
-        members = [m for m in g if m in names]
+        members = [m for m in g if m in weights]
         if members:
             s = ctx.scheme(members[0]).weights
             fmt = format_for(s)
             if fmt.tensor_wide(s):
-                extra = fmt.shared_extra([ctx.weight(m) for m in members], s, ctx.dtype)
+                extra = fmt.shared_extra([weights[m].detach() for m in members], s, ctx.dtype)
                 extras.update({m: extra for m in members})
+    for t, w in weights.items():
+        s = ctx.scheme(t).weights
+        fmt = format_for(s)
+        if t not in extras:
+            extras[t] = fmt.shared_extra([w.detach()], s, ctx.dtype) if fmt.tensor_wide(s) else None
+    return extras
+
+
+def learners_for(ctx: LayerContext, names: list[str], minmax: bool, full_range: bool = False) -> dict:
+    """A learner for each of `names` on its format's grid (Format.learned_grid; the recipe check refused the
+    others), FP4 ones under tensor_wide_extras."""
+    weights = {t: ctx.weight(t).to(ctx.device) for t in names}
+    extras = tensor_wide_extras(ctx, weights)
     out = {}
     for t in names:
         s = ctx.scheme(t).weights
         fmt = format_for(s)
-        w = ctx.weight(t).to(ctx.device)
+        w = weights[t]
         if fmt.learned_grid(s) == "fp4":
-            extra = extras.get(t) or (fmt.shared_extra([w], s, ctx.dtype) if fmt.tensor_wide(s) else None)
-            out[t] = FP4Learner(w, s, minmax, ctx.dtype, extra)
+            out[t] = FP4Learner(w, s, minmax, ctx.dtype, extras[t])
         else:
             out[t] = Learner(w, s, minmax, fmt.scale_dtype(s, ctx.dtype), fmt.quotient_dtype(ctx.dtype), full_range)
     return out
 
 
-def quantize_inputs(ctx: LayerContext, names: list[str]) -> list:
+class LearnedSmoothing:
+    """Per-channel smoothing scales s = exp(theta) for the layer's smoothing pairs (qtk.steps.smoothing), learned with
+    the rounding: `apply` folds them into the weights as qtk.steps.smoothing.fold does (the same functions, in the
+    same order), differentiably, so the learners round the smoothed weights and the layer runs on the smoothed norms
+    and biases."""
+
+    def __init__(self, ctx: LayerContext, pairs):
+        self.ctx, self.pairs = ctx, pairs
+        self.theta = {p.prev: torch.zeros(ctx.layer.get_submodule(p.nexts[0]).weight.shape[1], device=ctx.device,
+                                          requires_grad=True) for p in pairs}
+
+    def params(self) -> list[torch.Tensor]:
+        return list(self.theta.values())
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        return {k: th.detach().exp() for k, th in self.theta.items()}
+
+    def apply(self, base: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the quantized Linears' weights, fp32, from `base` {name: fp32 weight}; the other parameters the scales
+        change, {parameter name: tensor} in their own dtype, for functional_call)."""
+        layer, arch = self.ctx.layer, self.ctx.arch
+        cur: dict[str, torch.Tensor] = {t + ".weight": w for t, w in base.items()}
+
+        def get(name):
+            return cur[name] if name in cur else layer.get_parameter(name).detach().float()
+
+        for pair in self.pairs:
+            s = self.theta[pair.prev].exp()
+            if pair.prev_is_norm:
+                cur[pair.prev + ".weight"] = fold_into_norm(get(pair.prev + ".weight"), s, arch.norm_one_plus)
+            else:
+                has_bias = layer.get_submodule(pair.prev).bias is not None
+                w, b = fold_into_linear_rows(get(pair.prev + ".weight"), get(pair.prev + ".bias") if has_bias else None, s)
+                cur[pair.prev + ".weight"] = w
+                if b is not None:
+                    cur[pair.prev + ".bias"] = b
+            for n in pair.nexts + pair.dense:
+                cur[n + ".weight"] = scale_linear_columns(get(n + ".weight"), s)
+        weights = {t: cur.pop(t + ".weight") for t in base}
+        return weights, {k: v.to(layer.get_parameter(k).dtype) for k, v in cur.items()}
+
+
+def _scale_aware(x: torch.Tensor, xq: torch.Tensor, act) -> torch.Tensor:
+    """xq (x quantized as the engine does) in value; in the gradient, x's identity (the straight-through estimator)
+    plus the dependence of the rounding error on the scale: the engine's dynamic scales are each group's (or token's)
+    max |x| over the grid's max, so the error is (error / max) · max with the max differentiable, as a learned weight
+    scale is. A static per-tensor scale depends on no x: the identity alone."""
+    err = (xq - x).detach()
+    group = act.column_group or (x.shape[-1] if act.strategy == Strategy.TOKEN else None)
+    if group is None:
+        if act.has_static_scale:
+            return x + err
+        m = x.abs().amax()  # a dynamic per-tensor scale
+        return x + err + err * ((m - m.detach()) / m.detach().clamp_min(_TINY))
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    m = g.abs().amax(-1, keepdim=True)
+    rel = err.reshape(g.shape) / m.detach().clamp_min(_TINY)
+    return x + err + (rel * (m - m.detach())).reshape(x.shape)
+
+
+def quantize_inputs(ctx: LayerContext, names: list[str], scale_aware: bool = False) -> list:
     """Forward pre-hooks that quantize each quantized Linear's input as the engine will (its activation scheme, with
     the static scale OBSERVE measured where the scheme has one), passed through to the gradient: the rounding is
-    learned for the inputs the engine computes with (W4A8, NVFP4 W4A4). Returns the hooks' handles."""
+    learned for the inputs the engine computes with (W4A8, NVFP4 W4A4). scale_aware: the gradient also sees the
+    rounding error grow with the dynamic scales (_scale_aware), for what changes the inputs' ranges (the learned
+    smoothing). Returns the hooks' handles."""
     handles = []
     for t in names:
         act = ctx.scheme(t).engine_activations
@@ -220,6 +309,8 @@ def quantize_inputs(ctx: LayerContext, names: list[str]) -> list:
         def hook(module, args, _act=act, _scale=scale):
             x = args[0]
             xq = fake_quant_activation(x.detach(), _act, _scale)
+            if scale_aware:
+                return (_scale_aware(x, xq, _act), *args[1:])
             return (x + (xq - x).detach(), *args[1:])
 
         handles.append(ctx.layer.get_submodule(t).register_forward_pre_hook(hook))
@@ -231,7 +322,8 @@ def quantize_inputs(ctx: LayerContext, names: list[str]) -> list:
 class AutoRoundRecord(StepRecord):
     """One layer's optimisation: iterations run, the one whose parameters were kept (lowest loss), the loss at the
     first (round to nearest, min-max scales), the kept one's, and the last one's (mean squared error of the layer's
-    outputs)."""
+    outputs); with `smooth`, the learned smoothing scales folded in ({prev: s}, as AWQ records its own), the frame
+    the weights were quantized in."""
 
     name = "autoround"
     iters: int = 0
@@ -239,15 +331,22 @@ class AutoRoundRecord(StepRecord):
     initial_loss: float = 0.0
     best_loss: float = 0.0
     last_loss: float = 0.0
+    scales: dict[str, list[float]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"iters": self.iters, "best_iter": self.best_iter, "initial_loss": self.initial_loss,
-                "best_loss": self.best_loss, "last_loss": self.last_loss}
+        out = {"iters": self.iters, "best_iter": self.best_iter, "initial_loss": self.initial_loss,
+               "best_loss": self.best_loss, "last_loss": self.last_loss}
+        if self.scales:
+            out["s"] = dict(self.scales)
+        return out
 
     @classmethod
     def from_json(cls, data) -> "AutoRoundRecord":
         return cls(int(data["iters"]), int(data["best_iter"]), float(data["initial_loss"]), float(data["best_loss"]),
-                   float(data["last_loss"]))
+                   float(data["last_loss"]), dict(data.get("s") or {}))
+
+    def reframe(self, W, rel, arch):
+        return smoothed_weight(W, rel, arch, self.scales) if self.scales else W
 
 
 def _output(y):
@@ -269,6 +368,7 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
     names = list(ctx.targets)
     dtypes = {t: layer.get_submodule(t).weight.dtype for t in names}
     learners = learners_for(ctx, names, params.minmax, params.full_range)
+    smoothing = LearnedSmoothing(ctx, smoothing_pairs(layer, ctx.arch, names)) if params.smooth else None
     frozen = [p for p in layer.parameters() if p.requires_grad]
     for p in frozen:  # only V and the factors are learned; the layer's own parameters take no gradient
         p.requires_grad_(False)
@@ -278,44 +378,75 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
             assert targets is not None and len(targets) == len(batches), "the loop carries no float stream"
         else:  # this layer's outputs with its float weights on the same (quantized) inputs
             targets = ctx.float_layer_outputs(batches)
-        hooks = quantize_inputs(ctx, names)  # the target stays float: only the learning sees quantized inputs
+        # the target stays float: only the learning sees quantized inputs
+        hooks = quantize_inputs(ctx, names, scale_aware=smoothing is not None)
         try:
-            record = _learn(ctx, params, learners, dtypes, targets)
+            record = _learn(ctx, params, learners, dtypes, targets, smoothing)
         finally:
             for h in hooks:
                 h.remove()
     finally:
         for p in frozen:
             p.requires_grad_(True)
+    if smoothing is not None:
+        _fold_learned(ctx, smoothing, learners, record)
     for t, lr in learners.items():
         ctx.qweights[t] = lr.qtensor(ctx.dtype)
     return record
 
 
-def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learner], dtypes, targets) -> AutoRoundRecord:
-    """Signed gradient descent on every learner of the layer at once; the parameters of the lowest loss are left
-    in the learners."""
+def _fold_learned(ctx: LayerContext, smoothing: LearnedSmoothing, learners: dict, record: AutoRoundRecord) -> None:
+    """Fold the kept smoothing scales into the layer (and the fp32 master weights) as AWQ folds its own, leave the
+    learners on the weights they smoothed, record the scales, and re-observe the static input ranges they changed."""
+    with torch.no_grad():
+        base = {t: ctx.weight(t).to(ctx.device).float() for t in learners}
+        weights, _ = smoothing.apply(base)
+        extras = tensor_wide_extras(ctx, weights)
+        for t, lr in learners.items():
+            lr.rebase(weights[t], extras[t])
+        for pair in smoothing.pairs:
+            s = smoothing.scales()[pair.prev]
+            fold(ctx.layer, ctx.arch, pair, s, ctx.master)
+            record.scales[pair.prev] = s.float().tolist()
+    if ctx.amax:  # OBSERVE measured the inputs before the scales divided them
+        groups = [g for g in sequential_groups(ctx.arch, ctx.targets) if ctx.group_scheme(g).static_activations]
+        ctx.amax.update(observe_input_amax(ctx.layer, ctx.arch, groups, ctx.batches, ctx.reducer))
+
+
+def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learner], dtypes, targets,
+           smoothing: LearnedSmoothing | None = None) -> AutoRoundRecord:
+    """Signed gradient descent on every learner of the layer at once (and the smoothing scales, given them); the
+    parameters of the lowest loss are left in the learners (and the scales)."""
     layer, batches, reducer = ctx.layer, ctx.batches, ctx.reducer
     round_p = [p for lr in learners.values() for p in lr.round_params()]
     clip_p = [p for lr in learners.values() for p in lr.clip_params()]
+    smooth_p = smoothing.params() if smoothing is not None else []
+    base = {t: ctx.weight(t).to(ctx.device).float() for t in learners} if smoothing is not None else {}
     order = batch_order(len(batches), params.iters, params.seed + ctx.index)
     best, best_iter, best_state = math.inf, 0, None
     initial = last = math.nan
     for it, j in enumerate(order):
         h, kw = batches[j]
         with torch.enable_grad():
+            others: dict[str, torch.Tensor] = {}
+            if smoothing is not None:  # the learners round the weights the current scales smooth
+                weights, others = smoothing.apply(base)
+                extras = tensor_wide_extras(ctx, weights)
+                for t, lr in learners.items():
+                    lr.rebase(weights[t], extras[t])
             qw = {t + ".weight": lr.qdq().to(dtypes[t]) for t, lr in learners.items()}
+            qw.update(others)
             y = _output(functional_call(ctx.layer, qw, (h,), kw))
             loss = torch.nn.functional.mse_loss(y.float(), targets[j].to(y.device).float())
             loss.backward()
-        del qw, y
+        del qw, y, others
         value = loss.detach().reshape(1)
-        for p in round_p + clip_p:  # a Linear no token reached (an MoE expert) has no gradient: it stays put
+        for p in round_p + clip_p + smooth_p:  # a Linear no token reached (an MoE expert) has no gradient: it stays put
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if reducer.world_size > 1:  # every process steps on the gradient summed over all their batches
             value = reducer.sum_(value) / reducer.world_size
-            for p in round_p + clip_p:
+            for p in round_p + clip_p + smooth_p:
                 reducer.sum_(p.grad)
         last = float(value)
         if it == 0:
@@ -323,6 +454,7 @@ def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learn
         if last < best:  # the parameters that gave this loss, before this step moves them
             best, best_iter = last, it
             best_state = {t: lr.snapshot() for t, lr in learners.items()}
+            best_scales = [p.detach().clone() for p in smooth_p]
         decay = 1.0 - it / params.iters  # linear to 0, as auto-round's LinearLR(start 1, end 0)
         with torch.no_grad():
             for p in round_p:
@@ -331,7 +463,13 @@ def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learn
             for p in clip_p:
                 p.add_(p.grad.sign(), alpha=-params.clip_lr * decay).clamp_(*CLIP_BOUNDS)
                 p.grad = None
+            for p in smooth_p:
+                p.add_(p.grad.sign(), alpha=-params.scale_lr * decay)
+                p.grad = None
     if best_state is not None:
         for t, lr in learners.items():
             lr.restore(best_state[t])
+        with torch.no_grad():
+            for p, x in zip(smooth_p, best_scales):
+                p.copy_(x)
     return AutoRoundRecord(params.iters, best_iter, initial, best, last)

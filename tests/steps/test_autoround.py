@@ -5,7 +5,9 @@ quantized inputs); with nothing learned it writes exactly RTN's codes and scales
 the learned ones go through the format's own arithmetic); its checkpoints (int4 groups symmetric and asymmetric,
 int8 per channel) reload in transformers + compressed-tensors as qtk simulates them, pass `qtk inspect` and record
 each layer's losses; schemes it cannot learn and bad parameters are refused before any work; --resume after a
-kill gives the same bytes."""
+kill gives the same bytes. With `smooth` it learns smoothing scales too: they move W4A4 activation outliers into the
+weights (far below AutoRound alone's error on a layer that has them), leave the float layer's function unchanged,
+are recorded as the frame the weights were quantized in, and the static input ranges are re-observed after them."""
 
 from __future__ import annotations
 
@@ -258,6 +260,7 @@ def test_a_scheme_it_cannot_learn_is_refused_before_any_work(tiny_llama, tmp_pat
     ("{iters: 0}", "iters: must be in 1..100000"), ("{lr: -0.5}", "lr: must be in [0, 1]"),
     ("{minmax_lr: 2.0}", "minmax_lr: must be in [0, 1]"), ("{iter: 10}", "did you mean 'iters'"),
     ("{iters: ten}", "expected int"), ("{target: float}", "target: must be model or layer"),
+    ("{smooth: true, smooth_lr: 3}", "smooth_lr: must be in [0, 1]"),
 ])
 def test_bad_parameters_are_refused_in_one_line(tiny_llama, tmp_path, params, needle):
     p = tmp_path / "ar.yaml"
@@ -388,3 +391,113 @@ def test_the_first_loss_is_round_to_nearest_against_the_chosen_target(fp32_model
     other = (own if target == "model" else stream)[j]
     assert record.initial_loss == pytest.approx(float((rtn_out[j] - ref).pow(2).mean()), rel=1e-4)
     assert abs(record.initial_loss - float((rtn_out[j] - other).pow(2).mean())) > 1e-3
+
+
+def outlier_model(fp32_model, factor: float = 40.0):
+    """The float model with 4 channels of each norm's output made `factor` times larger and the Linears reading them
+    divided by it: the same function, with activation outliers as real LLMs have; and those channels
+    ({(layer, norm): indices})."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(fp32_model), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    outliers = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for norm, nexts in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))):
+                f = torch.ones(128)
+                outliers[i, norm] = torch.randperm(128, generator=g)[:4]
+                f[outliers[i, norm]] = factor
+                layer.get_submodule(norm).weight.mul_(f)
+                for n in nexts:
+                    layer.get_submodule(n).weight.div_(f)
+    return model, outliers
+
+
+def test_learned_smoothing_moves_activation_outliers_into_the_weights(fp32_model):
+    """NVFP4 W4A4 on layers whose inputs have outlier channels: AutoRound with `smooth` ends far below AutoRound alone
+    (the scales learned through the activations' rounding error shrink the outlier groups' maxima): every outlier
+    channel's scale grows well past the others'."""
+    model, outliers = outlier_model(fp32_model)
+    source = ModelSource(fp32_model)
+    recipe = parse_recipe(yaml.safe_load(recipe_text(NVFP4_W4A4)), "", "ar")
+    inputs = layer_batches(model, torch.randint(3, 90, (6, 48), generator=torch.Generator().manual_seed(1)))
+    for i, layer in enumerate(model.model.layers):
+        batches = inputs[i]
+        with torch.no_grad():
+            ref = [_out(layer(h, **kw)) for h, kw in batches]
+
+        def mse(outs):
+            return sum(float((a - b).pow(2).mean()) for a, b in zip(outs, ref)) / len(ref)
+
+        plain, _, _ = solved_outputs(layer, i, source, recipe, batches, autoround.run, AutoRoundParams(iters=40))
+        smooth, _, rec = solved_outputs(layer, i, source, recipe, batches, autoround.run,
+                                        AutoRoundParams(iters=40, smooth=True, smooth_lr=0.05))
+        assert mse(smooth) < 0.5 * mse(plain), (i, mse(smooth), mse(plain))
+        assert set(rec.scales) == {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"}  # v -> o: GQA
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            sc = torch.tensor(rec.scales[norm])
+            rest = torch.ones(128, dtype=torch.bool)
+            rest[outliers[i, norm]] = False
+            assert sc[outliers[i, norm]].min() > 2 * sc[rest].median(), (i, norm, sc[outliers[i, norm]])
+
+
+def test_learned_smoothing_is_folded_as_recorded(fp32_model):
+    """After the step, the layer holds the scales folded in: its float function is the source layer's; each quantized
+    Linear's weight is the source's put through the record's frame (what the loop and `qtk inspect` measure errors
+    against); the QTensors are the folded weights' (not the source's); and the static input ranges are the folded
+    layer's, re-observed (they differ from the ones OBSERVE measured before the scales)."""
+    model, _ = outlier_model(fp32_model)
+    source = ModelSource(fp32_model)
+    recipe = parse_recipe(yaml.safe_load(recipe_text(NVFP4_W4A4)), "", "ar")
+    i, layer = 0, model.model.layers[0]
+    batches = layer_batches(model, IDS)[i]
+    arch = source.arch.at(i)
+    ctx = LayerContext(i, source.layer_prefix(i), copy.deepcopy(layer), arch, recipe, list(arch.linears), batches,
+                       torch.float32)
+    with torch.no_grad():
+        ctx.float_outputs = [_out(layer(h, **kw)) for h, kw in batches]
+    before = input_amax(layer, ctx.targets, batches)
+    ctx.amax = dict(before)
+    rec = autoround.run(ctx, AutoRoundParams(iters=20, smooth=True, smooth_lr=0.05))
+    with torch.no_grad():
+        for (h, kw), want in zip(batches, ctx.float_outputs):
+            torch.testing.assert_close(_out(ctx.layer(h, **kw)), want, rtol=1e-4, atol=1e-4)
+    back = autoround.AutoRoundRecord.from_json(json.loads(json.dumps(rec.to_json())))
+    assert back.scales == rec.scales
+    for t in ctx.targets:
+        folded = ctx.layer.get_submodule(t).weight.detach()
+        framed = back.reframe(layer.get_submodule(t).weight.detach(), t, arch)
+        torch.testing.assert_close(framed, folded, rtol=1e-5, atol=1e-6)
+        source_w = layer.get_submodule(t).weight.detach()
+        if t != "self_attn.o_proj":  # v -> o is no pair under GQA: o_proj keeps the source's weight
+            deq = ctx.qweights[t].dequantize()
+            assert (deq - folded).norm() < (deq - source_w).norm(), t
+    assert ctx.amax == pytest.approx(input_amax(ctx.layer, ctx.targets, batches), rel=1e-6)
+    assert any(abs(ctx.amax[t] - before[t]) > 1e-3 * before[t] for t in ctx.targets)
+
+
+def test_a_smoothed_w4a4_checkpoint_reloads_as_simulated_and_passes_inspect(tiny_llama, calib_file, tmp_path):
+    """[awq, autoround {smooth}] end to end: NVFP4 W4A4 written for vLLM reloads in transformers + compressed-tensors
+    as qtk simulates it, `qtk inspect` rebuilds every weight's frame from both steps' records (AWQ's scales, then the
+    learned ones) within the format's bound and the recorded errors, and each layer's record holds the learned
+    scales."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    p = tmp_path / "ar.yaml"
+    p.write_text(recipe_text(NVFP4_W4A4).replace("  - autoround: {iters: 30}",
+                                                 "  - awq\n  - autoround: {iters: 12, smooth: true, smooth_lr: 0.05}"))
+    d = api.convert(tiny_llama, str(p), tmp_path / "o", calib=str(calib_file), num_samples=8, seq_len=64,
+                    hash_source=False).outputs["vllm"]
+    rep = api.inspect(d)
+    assert rep.ok and rep.errors, rep
+    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
+    assert (_logits(ref) - _logits(sim)).abs().max().item() <= 1e-3
+    recs = json.loads((d / "qtk.json").read_text())["stats"]["algorithm"]
+    for layer in ("0", "1"):
+        s = recs[layer]["autoround"]["s"]
+        assert set(s) >= {"input_layernorm", "post_attention_layernorm"} and any(
+            abs(x - 1) > 1e-3 for v in s.values() for x in v), s
