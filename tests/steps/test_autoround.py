@@ -211,23 +211,31 @@ def _logits(model):
         return model(IDS).logits
 
 
+def convert_reload_as_simulated(model, calib_file, recipe_path, out):
+    """Convert with the recipe file for vLLM; assert the checkpoint passes `qtk inspect` (every weight compared with
+    the source in its frame) and reloads in transformers + compressed-tensors as qtk simulates it. Returns the
+    checkpoint and its per-layer step records."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    d = api.convert(model, str(recipe_path), out, calib=str(calib_file), num_samples=8, seq_len=64,
+                    hash_source=False).outputs["vllm"]
+    rep = api.inspect(d)
+    assert rep.ok and rep.errors, rep
+    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
+    assert (_logits(ref) - _logits(sim)).abs().max().item() <= 1e-3
+    return d, json.loads((d / "qtk.json").read_text())["stats"]["algorithm"]
+
+
 @pytest.mark.parametrize("weights", [INT4_G32, INT4_G32_ASYM, INT8_CHANNEL, NVFP4, MXFP4])
 def test_the_checkpoint_is_an_ordinary_one_that_reloads_as_simulated(tiny_llama, calib_file, tmp_path, weights):
     """The vllm checkpoint reloads in transformers + compressed-tensors equal to qtk's simulation, passes inspect,
     holds codes other than round-to-nearest's (the learned rounding is what is stored) and records each layer's
     losses in qtk.json."""
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
     p = tmp_path / "ar.yaml"
     p.write_text(recipe_text(weights))
-    d = api.convert(tiny_llama, str(p), tmp_path / "o", calib=str(calib_file), num_samples=8, seq_len=64,
-                    hash_source=False).outputs["vllm"]
-    assert api.inspect(d).ok
-    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
-                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
-    assert (_logits(ref) - _logits(sim)).abs().max().item() <= 1e-3
-    recs = json.loads((d / "qtk.json").read_text())["stats"]["algorithm"]
+    d, recs = convert_reload_as_simulated(tiny_llama, calib_file, p, tmp_path / "o")
     for layer in ("0", "1"):
         r = recs[layer]["autoround"]
         assert r["iters"] == 30 and r["best_loss"] <= r["initial_loss"] and 0 <= r["best_iter"] < 30
@@ -483,20 +491,10 @@ def test_a_smoothed_w4a4_checkpoint_reloads_as_simulated_and_passes_inspect(tiny
     as qtk simulates it, `qtk inspect` rebuilds every weight's frame from both steps' records (AWQ's scales, then the
     learned ones) within the format's bound and the recorded errors, and each layer's record holds the learned
     scales."""
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
     p = tmp_path / "ar.yaml"
     p.write_text(recipe_text(NVFP4_W4A4).replace("  - autoround: {iters: 30}",
                                                  "  - awq\n  - autoround: {iters: 12, smooth: true, smooth_lr: 0.05}"))
-    d = api.convert(tiny_llama, str(p), tmp_path / "o", calib=str(calib_file), num_samples=8, seq_len=64,
-                    hash_source=False).outputs["vllm"]
-    rep = api.inspect(d)
-    assert rep.ok and rep.errors, rep
-    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
-                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    sim = build_simulated_model(open_checkpoint(d), simulate_activations=False, simulate_kv=False)
-    assert (_logits(ref) - _logits(sim)).abs().max().item() <= 1e-3
-    recs = json.loads((d / "qtk.json").read_text())["stats"]["algorithm"]
+    _, recs = convert_reload_as_simulated(tiny_llama, calib_file, p, tmp_path / "o")
     for layer in ("0", "1"):
         s = recs[layer]["autoround"]["s"]
         assert set(s) >= {"input_layernorm", "post_attention_layernorm"} and any(
