@@ -38,9 +38,8 @@ from qtk.algorithms.smooth import fold_into_linear_rows, fold_into_norm, scale_l
 from qtk.quant.qtensor import QTensor
 from qtk.quant.scheme import Strategy
 from qtk.recipe.params import AutoRoundParams
-from qtk.steps.capture import sequential_groups
 from qtk.steps.context import LayerContext
-from qtk.steps.observe import observe_input_amax
+from qtk.steps.observe import observe_static_ranges
 from qtk.steps.records import StepRecord, register_record
 from qtk.steps.registry import register_step
 from qtk.steps.smoothing import fold, smoothed_weight, smoothing_pairs
@@ -239,8 +238,9 @@ class LearnedSmoothing:
     same order), differentiably, so the learners round the smoothed weights and the layer runs on the smoothed norms
     and biases."""
 
-    def __init__(self, ctx: LayerContext, pairs):
+    def __init__(self, ctx: LayerContext, pairs, names: list[str]):
         self.ctx, self.pairs = ctx, pairs
+        self.base = {t: ctx.weight(t).to(ctx.device).float() for t in names}  # the quantized Linears, unsmoothed
         self.theta = {p.prev: torch.zeros(ctx.layer.get_submodule(p.nexts[0]).weight.shape[1], device=ctx.device,
                                           requires_grad=True) for p in pairs}
 
@@ -250,11 +250,11 @@ class LearnedSmoothing:
     def scales(self) -> dict[str, torch.Tensor]:
         return {k: th.detach().exp() for k, th in self.theta.items()}
 
-    def apply(self, base: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(the quantized Linears' weights, fp32, from `base` {name: fp32 weight}; the other parameters the scales
+    def apply(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the quantized Linears' weights, fp32, smoothed by the current scales; the other parameters the scales
         change, {parameter name: tensor} in their own dtype, for functional_call)."""
         layer, arch = self.ctx.layer, self.ctx.arch
-        cur: dict[str, torch.Tensor] = {t + ".weight": w for t, w in base.items()}
+        cur: dict[str, torch.Tensor] = {t + ".weight": w for t, w in self.base.items()}
 
         def get(name):
             return cur[name] if name in cur else layer.get_parameter(name).detach().float()
@@ -271,8 +271,17 @@ class LearnedSmoothing:
                     cur[pair.prev + ".bias"] = b
             for n in pair.nexts + pair.dense:
                 cur[n + ".weight"] = scale_linear_columns(get(n + ".weight"), s)
-        weights = {t: cur.pop(t + ".weight") for t in base}
+        weights = {t: cur.pop(t + ".weight") for t in self.base}
         return weights, {k: v.to(layer.get_parameter(k).dtype) for k, v in cur.items()}
+
+    def rebase(self, learners: dict) -> dict[str, torch.Tensor]:
+        """Put every learner on the weights the current scales smooth (NVFP4's global scale retaken from them);
+        returns the other parameters the scales change (apply's)."""
+        weights, others = self.apply()
+        extras = tensor_wide_extras(self.ctx, weights)
+        for t, lr in learners.items():
+            lr.rebase(weights[t], extras[t])
+        return others
 
 
 def _scale_aware(x: torch.Tensor, xq: torch.Tensor, act) -> torch.Tensor:
@@ -368,7 +377,7 @@ def run(ctx: LayerContext, params: AutoRoundParams) -> AutoRoundRecord:
     names = list(ctx.targets)
     dtypes = {t: layer.get_submodule(t).weight.dtype for t in names}
     learners = learners_for(ctx, names, params.minmax, params.full_range)
-    smoothing = LearnedSmoothing(ctx, smoothing_pairs(layer, ctx.arch, names)) if params.smooth else None
+    smoothing = LearnedSmoothing(ctx, smoothing_pairs(layer, ctx.arch, names), names) if params.smooth else None
     frozen = [p for p in layer.parameters() if p.requires_grad]
     for p in frozen:  # only V and the factors are learned; the layer's own parameters take no gradient
         p.requires_grad_(False)
@@ -399,18 +408,13 @@ def _fold_learned(ctx: LayerContext, smoothing: LearnedSmoothing, learners: dict
     """Fold the kept smoothing scales into the layer (and the fp32 master weights) as AWQ folds its own, leave the
     learners on the weights they smoothed, record the scales, and re-observe the static input ranges they changed."""
     with torch.no_grad():
-        base = {t: ctx.weight(t).to(ctx.device).float() for t in learners}
-        weights, _ = smoothing.apply(base)
-        extras = tensor_wide_extras(ctx, weights)
-        for t, lr in learners.items():
-            lr.rebase(weights[t], extras[t])
+        smoothing.rebase(learners)  # on the fp32 smoothed weights they learned on, not the layer's rounded copies
+        scales = smoothing.scales()
         for pair in smoothing.pairs:
-            s = smoothing.scales()[pair.prev]
-            fold(ctx.layer, ctx.arch, pair, s, ctx.master)
-            record.scales[pair.prev] = s.float().tolist()
+            fold(ctx.layer, ctx.arch, pair, scales[pair.prev], ctx.master)
+            record.scales[pair.prev] = scales[pair.prev].float().tolist()
     if ctx.amax:  # OBSERVE measured the inputs before the scales divided them
-        groups = [g for g in sequential_groups(ctx.arch, ctx.targets) if ctx.group_scheme(g).static_activations]
-        ctx.amax.update(observe_input_amax(ctx.layer, ctx.arch, groups, ctx.batches, ctx.reducer))
+        observe_static_ranges(ctx)
 
 
 def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learner], dtypes, targets,
@@ -421,19 +425,14 @@ def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learn
     round_p = [p for lr in learners.values() for p in lr.round_params()]
     clip_p = [p for lr in learners.values() for p in lr.clip_params()]
     smooth_p = smoothing.params() if smoothing is not None else []
-    base = {t: ctx.weight(t).to(ctx.device).float() for t in learners} if smoothing is not None else {}
     order = batch_order(len(batches), params.iters, params.seed + ctx.index)
     best, best_iter, best_state = math.inf, 0, None
     initial = last = math.nan
     for it, j in enumerate(order):
         h, kw = batches[j]
         with torch.enable_grad():
-            others: dict[str, torch.Tensor] = {}
-            if smoothing is not None:  # the learners round the weights the current scales smooth
-                weights, others = smoothing.apply(base)
-                extras = tensor_wide_extras(ctx, weights)
-                for t, lr in learners.items():
-                    lr.rebase(weights[t], extras[t])
+            # the learners round the weights the current scales smooth
+            others = smoothing.rebase(learners) if smoothing is not None else {}
             qw = {t + ".weight": lr.qdq().to(dtypes[t]) for t, lr in learners.items()}
             qw.update(others)
             y = _output(functional_call(ctx.layer, qw, (h,), kw))

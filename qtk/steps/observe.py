@@ -34,5 +34,11 @@ def _implied(recipe):
 
 @register_step("input_amax", phase=Phase.OBSERVE, needs_data=True, implied=_implied, title="static input ranges")
 def run(ctx: LayerContext, params) -> None:
+    observe_static_ranges(ctx)
+
+
+def observe_static_ranges(ctx: LayerContext) -> None:
+    """ctx.amax of every fused group whose scheme quantizes its input with a static scale, measured on the layer as
+    it is now (a step that changes those inputs after OBSERVE measures them again)."""
     groups = [g for g in sequential_groups(ctx.arch, ctx.targets) if ctx.group_scheme(g).static_activations]
     ctx.amax.update(observe_input_amax(ctx.layer, ctx.arch, groups, ctx.batches, ctx.reducer))
