@@ -12,7 +12,8 @@ seed 0) before its steps, as benchmarks/rotation.py's `+ rotate` (any of its var
 `+quipN`: every quantized Linear's input rotated online in blocks of N), and `NAME/autoround` solves the built-in recipe's
 formats with autoround instead of its own solver (e.g. `nvfp4/autoround`: NVFP4 W4A4 learned; `nvfp4/awq,autoround`:
 AWQ's scales first); `NAME/float-weights` converts nothing and scores the float model with only the recipe's
-activation quantization (what no weight solver goes below without changing the activations). --text b calibrates and scores on the second text
+activation quantization (what no weight solver goes below without changing the activations;
+`NAME/float-weights:o_proj,down_proj` quantizes only those Linears' inputs). --text b calibrates and scores on the second text
 set (benchmarks/real_model.py's), into benchmarks/results/autoround_b.json and its own table. --peer-python runs
 intel/auto-round itself on the same ids (benchmarks/_autoround_peer.py): W4A16, or with --peer-scheme NVFP4 its own
 NVFP4 W4A4 scheme, beside `nvfp4/autoround`.
@@ -125,10 +126,12 @@ def _file_safe(name: str) -> str:
 
 
 def losses(out: Path) -> dict:
-    """Per layer, the autoround record's first and kept loss, from the checkpoint's qtk.json."""
+    """Per layer, the autoround record's first and lowest single-batch loss (and with keep: all, the kept
+    parameters' loss over every batch), from the checkpoint's qtk.json."""
     m = json.loads((out / "vllm" / "qtk.json").read_text())
     recs = {k: v["autoround"] for k, v in m["stats"]["algorithm"].items() if "autoround" in v}
-    return {k: {"initial": round(v["initial_loss"], 6), "best": round(v["best_loss"], 6), "best_iter": v["best_iter"]}
+    return {k: {"initial": round(v["initial_loss"], 6), "best": round(v["best_loss"], 6), "best_iter": v["best_iter"],
+                **({"kept_all_batches": round(v["kept_loss"], 6)} if v.get("kept_loss") else {})}
             for k, v in sorted(recs.items(), key=lambda kv: int(kv[0]))}
 
 
@@ -155,8 +158,10 @@ def render(report: dict) -> str:
             mse = f"{first:.4g} -> {best:.4g}"
         label = f"{e['peer']} (peer){group}" if e.get("peer") else f"`{name}`{group}"
         if e.get("activations_only"):
-            lines.append(f"| `{name}` (float weights, the recipe's activation quantization alone) | "
-                         f"{e['perplexity']:.3f} | — | — | — | — | — |")
+            sites = name.partition(FLOOR)[2].lstrip(":")
+            what = f"only the inputs of {sites.replace(',', ', ')} quantized" if sites else \
+                "the recipe's activation quantization alone"
+            lines.append(f"| `{name}` (float weights, {what}) | {e['perplexity']:.3f} | — | — | — | — | — |")
             continue
         lines.append(f"| {label} | {e['perplexity']:.3f} | {e['wall_s']:.0f} | {e['peak_rss_mb']:.0f} | "
                      f"{'—' if solver is None else format(st[solver]['s'], '.1f') + f' ({solver})'} | "
@@ -228,10 +233,11 @@ def main():
             print(name, results[name], flush=True)
             save(a, results, settings, model, windows, base_ppl)
             continue
-        if name.endswith(FLOOR):  # the recipe's activation quantization alone, on the float weights
+        if FLOOR in name:  # the recipe's activation quantization alone, on the float weights
             t0 = time.perf_counter()
-            ppl = activations_only_ppl(model, rm.qtk_recipe_doc(name[:-len(FLOOR)], in_features), ids, windows,
-                                       a.batch_size)
+            base_name, _, sites = name.partition(FLOOR)
+            ppl = activations_only_ppl(model, rm.qtk_recipe_doc(base_name, in_features), ids, windows,
+                                       a.batch_size, [s for s in sites.lstrip(":").split(",") if s])
             results[name] = {"perplexity": round(ppl, 4), "wall_s": round(time.perf_counter() - t0, 1), "steps": {},
                              "activations_only": True}
             print(name, results[name], flush=True)
@@ -256,14 +262,15 @@ def main():
         save(a, results, settings, model, windows, base_ppl)
 
 
-FLOOR = "/float-weights"  # `RECIPE/float-weights`: activations_only_ppl
+FLOOR = "/float-weights"  # `RECIPE/float-weights[:SITE,...]`: activations_only_ppl
 
 
-def activations_only_ppl(model: Path, doc: dict, ids, windows, batch_size: int) -> float:
+def activations_only_ppl(model: Path, doc: dict, ids, windows, batch_size: int, sites: list[str] = ()) -> float:
     """Held-out perplexity of the float model with only the recipe's activation quantization: every quantized
     Linear's input fake-quantized as the engine does (fake_quant_activation), static scales from the largest input
     each Linear saw over the calibration ids (one forward, batches of batch_size), the weights left float. What no
-    weight solver can go below without changing the activations (smoothing, rotations)."""
+    weight solver can go below without changing the activations (smoothing, rotations). `sites`: only the Linears
+    of these names (the last part of the module name, e.g. o_proj), to say which inputs cost what."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -275,7 +282,7 @@ def activations_only_ppl(model: Path, doc: dict, ids, windows, batch_size: int) 
     acts = {}
     for n, mod in m.named_modules():
         ms = recipe.scheme_for(n) if isinstance(mod, torch.nn.Linear) else None
-        if ms is not None and ms.engine_activations is not None:
+        if ms is not None and ms.engine_activations is not None and (not sites or n.rsplit(".", 1)[-1] in sites):
             acts[n] = (mod, ms.engine_activations)
     if not acts:
         raise SystemExit(f"{doc['name']}: no quantized activations to measure")

@@ -179,7 +179,8 @@ def test_autoround_benchmark_names_read_as_recipes():
 def test_activations_only_perplexity_quantizes_the_inputs_and_nothing_else(tmp_path):
     """`RECIPE/float-weights`: the float model with only the recipe's input quantization (NVFP4 W4A4's, static
     scales from the calibration ids): its perplexity moves away from the float model's, and leaving every input
-    unquantized (a 16-bit activation scheme: none to quantize) is refused rather than reported as a floor."""
+    unquantized (a 16-bit activation scheme: none to quantize; a site no Linear has) is refused rather than reported
+    as a floor; `:SITE,...` quantizes only those Linears' inputs."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -192,3 +193,8 @@ def test_activations_only_perplexity_quantizes_the_inputs_and_nothing_else(tmp_p
     assert w4a4 != pytest.approx(base, rel=1e-4) and math.isfinite(w4a4)
     with pytest.raises(SystemExit, match="no quantized activations"):
         ar.activations_only_ppl(model, ar.rm.qtk_recipe_doc("w4a16", [64, 128]), ids, windows, 4)
+    # `:o_proj` quantizes o_proj's inputs alone: neither the float model nor every input quantized
+    o_only = ar.activations_only_ppl(model, ar.rm.qtk_recipe_doc("nvfp4", [64, 128]), ids, windows, 4, ["o_proj"])
+    assert o_only != pytest.approx(base, rel=1e-6) and o_only != pytest.approx(w4a4, rel=1e-6)
+    with pytest.raises(SystemExit, match="no quantized activations"):
+        ar.activations_only_ppl(model, ar.rm.qtk_recipe_doc("nvfp4", [64, 128]), ids, windows, 4, ["no_such_proj"])
