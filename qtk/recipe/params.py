@@ -410,6 +410,10 @@ class AutoRoundParams(StepParams):
     rounding takes it; the activations' rounding error is then differentiated through their group maxima. s starts at
     1 (on top of what a transform before it folded) and moves in log space; smooth_lr is its step (0: lr). The scales
     are folded in and recorded (the frame the weights were quantized in), the static input ranges re-observed.
+    keep: which parameters are kept: `batch`, those of the lowest loss seen, each step's loss being on its own batch
+    (auto-round's); `all`, of those and the last step's, the ones with the lower loss over every calibration batch
+    (two more forward passes over them per layer): a batch-to-batch spread of the loss (NVFP4 W4A4 with a layer whose
+    rare tokens carry large errors) makes the lowest single-batch loss partly luck.
     Int weights per channel or group (W4A16, W8A16, W4A8; symmetric or not) and FP4 groups (NVFP4, MXFP4; W4A16 or
     W4A4); quantized activations are fake-quantized as the engine does while the rounding is learned."""
 
@@ -422,6 +426,7 @@ class AutoRoundParams(StepParams):
     full_range: bool = True
     smooth: bool = False
     smooth_lr: float = 0.0
+    keep: str = "batch"
 
     needs_data = True
     iterative = True
@@ -447,9 +452,11 @@ class AutoRoundParams(StepParams):
     def cost(self, model: ModelCost) -> StepCost:
         """One forward of each layer for its float outputs (the loss's target), kept beside its inputs; then iters
         forward and backward passes (about 3 forwards' FLOPs) over one calibration batch (convert's default
-        --batch-size, 8 windows)."""
+        --batch-size, 8 windows); with keep: all, two forwards over every window."""
         batch_tokens = model.tokens * min(8, model.samples) // max(model.samples, 1)
         flops = self.iters * 3 * 2 * model.layer_params * batch_tokens * model.layers
+        if self.keep == "all":  # two candidates' forwards over every calibration window
+            flops += 2 * 2 * model.layer_params * model.tokens * model.layers
         outputs = model.tokens * model.widest * 4
         if not self.float_stream:
             return StepCost(input_passes=1, forward_flops=flops, memory=outputs, memory_key="autoround_outputs",
@@ -475,6 +482,9 @@ class AutoRoundParams(StepParams):
         if self.target not in ("model", "layer"):
             raise UsageError(f"{where}.target: must be model or layer, got {self.target!r}",
                              "use target: model (the float model's hidden states, auto-round's)")
+        if self.keep not in ("batch", "all"):
+            raise UsageError(f"{where}.keep: must be batch or all, got {self.keep!r}",
+                             "use keep: all (the lower loss over every calibration batch) or batch (auto-round's)")
 
     def check_recipe(self, recipe, origin: str) -> None:
         """Weights on a grid it learns on in every scheme of the recipe (Format.learned_grid: int per channel or group,

@@ -341,18 +341,21 @@ class AutoRoundRecord(StepRecord):
     best_loss: float = 0.0
     last_loss: float = 0.0
     scales: dict[str, list[float]] = field(default_factory=dict)
+    kept_loss: float = 0.0  # with keep: all, the kept parameters' loss over every calibration batch (0: not measured)
 
     def to_json(self) -> dict:
         out = {"iters": self.iters, "best_iter": self.best_iter, "initial_loss": self.initial_loss,
                "best_loss": self.best_loss, "last_loss": self.last_loss}
         if self.scales:
             out["s"] = dict(self.scales)
+        if self.kept_loss:
+            out["kept_loss"] = self.kept_loss
         return out
 
     @classmethod
     def from_json(cls, data) -> "AutoRoundRecord":
         return cls(int(data["iters"]), int(data["best_iter"]), float(data["initial_loss"]), float(data["best_loss"]),
-                   float(data["last_loss"]), dict(data.get("s") or {}))
+                   float(data["last_loss"]), dict(data.get("s") or {}), float(data.get("kept_loss") or 0.0))
 
     def reframe(self, W, rel, arch):
         return smoothed_weight(W, rel, arch, self.scales) if self.scales else W
@@ -465,10 +468,45 @@ def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learn
             for p in smooth_p:
                 p.add_(p.grad.sign(), alpha=-params.scale_lr * decay)
                 p.grad = None
+    kept_loss = 0.0
     if best_state is not None:
-        for t, lr in learners.items():
-            lr.restore(best_state[t])
-        with torch.no_grad():
-            for p, x in zip(smooth_p, best_scales):
-                p.copy_(x)
-    return AutoRoundRecord(params.iters, best_iter, initial, best, last)
+        last_state = None
+        if params.keep == "all":
+            last_state = ({t: lr.snapshot() for t, lr in learners.items()}, [p.detach().clone() for p in smooth_p])
+        _restore(learners, smooth_p, (best_state, best_scales))
+        if last_state is not None:  # a single batch's lowest loss can be luck: ask every batch
+            kept_loss = _loss_on_all(ctx, learners, dtypes, targets, smoothing)
+            last_loss = _loss_on_all(ctx, learners, dtypes, targets, smoothing, last_state)
+            if last_loss < kept_loss:
+                kept_loss, best_iter = last_loss, params.iters
+            else:
+                _restore(learners, smooth_p, (best_state, best_scales))
+    return AutoRoundRecord(params.iters, best_iter, initial, best, last, kept_loss=kept_loss)
+
+
+def _restore(learners: dict, smooth_p: list[torch.Tensor], state) -> None:
+    learned, scales = state
+    for t, lr in learners.items():
+        lr.restore(learned[t])
+    with torch.no_grad():
+        for p, x in zip(smooth_p, scales):
+            p.copy_(x)
+
+
+def _loss_on_all(ctx: LayerContext, learners: dict, dtypes, targets, smoothing, state=None) -> float:
+    """The loss of the learners' current parameters (or, given `state`, of those, which are then left in them) over
+    every calibration batch of every process."""
+    if state is not None:
+        _restore(learners, smoothing.params() if smoothing is not None else [], state)
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        qw = smoothing.rebase(learners) if smoothing is not None else {}
+        qw.update({t + ".weight": lr.qdq().to(dtypes[t]) for t, lr in learners.items()})
+        for (h, kw), target in zip(ctx.batches, targets):
+            y = _output(functional_call(ctx.layer, qw, (h,), kw))
+            total[0] += float(torch.nn.functional.mse_loss(y.float(), target.to(y.device).float()))
+            total[1] += 1
+    if ctx.reducer.world_size > 1:
+        total = ctx.reducer.sum_(total)
+    return float(total[0] / total[1].clamp_min(1))
+
