@@ -7,7 +7,8 @@ for the whole layer, by signed gradient descent: each step moves every parameter
 decaying linearly to 0 over the iterations, rounding passed through by the straight-through estimator. The loss is
 the MSE between the layer's outputs with the fake-quantized weights (and, for W4A8 / W4A4, its Linears' inputs
 fake-quantized as the engine does) and the target, on the calibration batches (one batch a step, in a seeded random
-order); the parameters of the lowest loss seen are kept (auto-round's best-loss tracking).
+order); the parameters of the lowest loss seen are kept (auto-round's best-loss tracking), or with keep: all, of
+those and the last step's, the ones with the lower loss over every batch.
 
 The target (params.target) is by default the float model's own hidden states after this layer, which the loop
 carries beside the quantized stream (LayerContext.float_outputs): the quantized layer on the quantized model's inputs
@@ -329,10 +330,11 @@ def quantize_inputs(ctx: LayerContext, names: list[str], scale_aware: bool = Fal
 @register_record
 @dataclass
 class AutoRoundRecord(StepRecord):
-    """One layer's optimisation: iterations run, the one whose parameters were kept (lowest loss), the loss at the
-    first (round to nearest, min-max scales), the kept one's, and the last one's (mean squared error of the layer's
-    outputs); with `smooth`, the learned smoothing scales folded in ({prev: s}, as AWQ records its own), the frame
-    the weights were quantized in."""
+    """One layer's optimisation: iterations run, the one whose parameters were kept (lowest loss; `iters` where
+    keep: all kept the last step's), the loss at the first (round to nearest, min-max scales), the lowest one's, and
+    the last one's (mean squared error of the layer's outputs, each on its step's batch); with keep: all, the kept
+    parameters' loss over every batch; with `smooth`, the learned smoothing scales folded in ({prev: s}, as AWQ
+    records its own), the frame the weights were quantized in."""
 
     name = "autoround"
     iters: int = 0
