@@ -158,8 +158,8 @@ def render(report: dict) -> str:
             mse = f"{first:.4g} -> {best:.4g}"
         label = f"{e['peer']} (peer){group}" if e.get("peer") else f"`{name}`{group}"
         if e.get("activations_only"):
-            sites = name.partition(FLOOR)[2].lstrip(":")
-            what = f"only the inputs of {sites.replace(',', ', ')} quantized" if sites else \
+            sites = floor_sites(name)[1]
+            what = f"only the inputs of {', '.join(sites)} quantized" if sites else \
                 "the recipe's activation quantization alone"
             lines.append(f"| `{name}` (float weights, {what}) | {e['perplexity']:.3f} | — | — | — | — | — |")
             continue
@@ -235,9 +235,9 @@ def main():
             continue
         if FLOOR in name:  # the recipe's activation quantization alone, on the float weights
             t0 = time.perf_counter()
-            base_name, _, sites = name.partition(FLOOR)
+            base_name, sites = floor_sites(name)
             ppl = activations_only_ppl(model, rm.qtk_recipe_doc(base_name, in_features), ids, windows,
-                                       a.batch_size, [s for s in sites.lstrip(":").split(",") if s])
+                                       a.batch_size, sites)
             results[name] = {"perplexity": round(ppl, 4), "wall_s": round(time.perf_counter() - t0, 1), "steps": {},
                              "activations_only": True}
             print(name, results[name], flush=True)
@@ -263,6 +263,12 @@ def main():
 
 
 FLOOR = "/float-weights"  # `RECIPE/float-weights[:SITE,...]`: activations_only_ppl
+
+
+def floor_sites(name: str) -> tuple[str, list[str]]:
+    """`RECIPE/float-weights[:SITE,...]` -> (RECIPE, [SITE, ...]; empty: every quantized input)."""
+    recipe, _, sites = name.partition(FLOOR)
+    return recipe, [s for s in sites.lstrip(":").split(",") if s]
 
 
 def activations_only_ppl(model: Path, doc: dict, ids, windows, batch_size: int, sites: list[str] = ()) -> float:

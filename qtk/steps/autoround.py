@@ -426,7 +426,7 @@ def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learn
            smoothing: LearnedSmoothing | None = None) -> AutoRoundRecord:
     """Signed gradient descent on every learner of the layer at once (and the smoothing scales, given them); the
     parameters of the lowest loss are left in the learners (and the scales)."""
-    layer, batches, reducer = ctx.layer, ctx.batches, ctx.reducer
+    batches, reducer = ctx.batches, ctx.reducer
     round_p = [p for lr in learners.values() for p in lr.round_params()]
     clip_p = [p for lr in learners.values() for p in lr.clip_params()]
     smooth_p = smoothing.params() if smoothing is not None else []
@@ -434,16 +434,9 @@ def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learn
     best, best_iter, best_state = math.inf, 0, None
     initial = last = math.nan
     for it, j in enumerate(order):
-        h, kw = batches[j]
         with torch.enable_grad():
-            # the learners round the weights the current scales smooth
-            others = smoothing.rebase(learners) if smoothing is not None else {}
-            qw = {t + ".weight": lr.qdq().to(dtypes[t]) for t, lr in learners.items()}
-            qw.update(others)
-            y = _output(functional_call(ctx.layer, qw, (h,), kw))
-            loss = torch.nn.functional.mse_loss(y.float(), targets[j].to(y.device).float())
+            loss = _batch_loss(ctx.layer, _quantized(learners, dtypes, smoothing), batches[j], targets[j])
             loss.backward()
-        del qw, y, others
         value = loss.detach().reshape(1)
         for p in round_p + clip_p + smooth_p:  # a Linear no token reached (an MoE expert) has no gradient: it stays put
             if p.grad is None:
@@ -472,17 +465,16 @@ def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learn
                 p.grad = None
     kept_loss = 0.0
     if best_state is not None:
-        last_state = None
-        if params.keep == "all":
+        keep_all = params.keep == "all"  # a single batch's lowest loss can be luck: ask every batch
+        if keep_all:  # the learners hold the last step's parameters
             last_state = ({t: lr.snapshot() for t, lr in learners.items()}, [p.detach().clone() for p in smooth_p])
+            last_loss = _loss_on_all(ctx, learners, dtypes, targets, smoothing)
         _restore(learners, smooth_p, (best_state, best_scales))
-        if last_state is not None:  # a single batch's lowest loss can be luck: ask every batch
+        if keep_all:
             kept_loss = _loss_on_all(ctx, learners, dtypes, targets, smoothing)
-            last_loss = _loss_on_all(ctx, learners, dtypes, targets, smoothing, last_state)
             if last_loss < kept_loss:
+                _restore(learners, smooth_p, last_state)
                 kept_loss, best_iter = last_loss, params.iters
-            else:
-                _restore(learners, smooth_p, (best_state, best_scales))
     return AutoRoundRecord(params.iters, best_iter, initial, best, last, kept_loss=kept_loss)
 
 
@@ -495,18 +487,27 @@ def _restore(learners: dict, smooth_p: list[torch.Tensor], state) -> None:
             p.copy_(x)
 
 
-def _loss_on_all(ctx: LayerContext, learners: dict, dtypes, targets, smoothing, state=None) -> float:
-    """The loss of the learners' current parameters (or, given `state`, of those, which are then left in them) over
-    every calibration batch of every process."""
-    if state is not None:
-        _restore(learners, smoothing.params() if smoothing is not None else [], state)
+def _quantized(learners: dict, dtypes, smoothing: LearnedSmoothing | None) -> dict[str, torch.Tensor]:
+    """The layer's parameters under the learners' current rounding (and smoothing scales: the learners re-based on
+    the weights they smooth), for functional_call."""
+    qw = smoothing.rebase(learners) if smoothing is not None else {}
+    qw.update({t + ".weight": lr.qdq().to(dtypes[t]) for t, lr in learners.items()})
+    return qw
+
+
+def _batch_loss(layer, qw: dict[str, torch.Tensor], batch, target: torch.Tensor) -> torch.Tensor:
+    h, kw = batch
+    y = _output(functional_call(layer, qw, (h,), kw))
+    return torch.nn.functional.mse_loss(y.float(), target.to(y.device).float())
+
+
+def _loss_on_all(ctx: LayerContext, learners: dict, dtypes, targets, smoothing) -> float:
+    """The loss of the learners' current parameters over every calibration batch of every process."""
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        qw = smoothing.rebase(learners) if smoothing is not None else {}
-        qw.update({t + ".weight": lr.qdq().to(dtypes[t]) for t, lr in learners.items()})
-        for (h, kw), target in zip(ctx.batches, targets):
-            y = _output(functional_call(ctx.layer, qw, (h,), kw))
-            total[0] += float(torch.nn.functional.mse_loss(y.float(), target.to(y.device).float()))
+        qw = _quantized(learners, dtypes, smoothing)
+        for batch, target in zip(ctx.batches, targets):
+            total[0] += float(_batch_loss(ctx.layer, qw, batch, target))
             total[1] += 1
     if ctx.reducer.world_size > 1:
         total = ctx.reducer.sum_(total)
