@@ -131,9 +131,7 @@ def losses(out: Path) -> dict:
     m = json.loads((out / "vllm" / "qtk.json").read_text())
     recs = {k: v["autoround"] for k, v in m["stats"]["algorithm"].items() if "autoround" in v}
     return {k: {"initial": round(v["initial_loss"], 6), "best": round(v["best_loss"], 6), "best_iter": v["best_iter"],
-                **({"kept_all_batches": round(v["kept_loss"], 6)} if v.get("kept_loss") else {}),
-                **({"restart": v["restart"], "restarts_all_batches": [round(x, 6) for x in v["restart_losses"]]}
-                   if v.get("restart_losses") else {})}
+                **({"kept_all_batches": round(v["kept_loss"], 6)} if v.get("kept_loss") else {})}
             for k, v in sorted(recs.items(), key=lambda kv: int(kv[0]))}
 
 

@@ -82,11 +82,11 @@ def two_ranks(model, calib_file, tmp_path_factory):
     res.update(jobs_only(launch(tmp, [{"name": "resumed", "model": str(model), "recipe": "w4a16-gptq",
                                        "out": str(tmp / "resumed"), "options": opts}], join=False)))
     # AutoRound carries the float model's stream beside the quantized one: both are gathered into rank 0's resume
-    # state and scattered back to each rank's windows; its restarts and keep: all choose on losses summed over every
-    # rank's windows, so every rank keeps the same parameters
+    # state and scattered back to each rank's windows; keep: all's choice, on losses summed over every rank's
+    # windows, takes part in the resume too
     ar = tmp / "ar.yaml"
     ar.write_text("name: ar\nweights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}\n"
-                  "algorithm:\n  - autoround: {iters: 4, restarts: 2, keep: all}\nignore: [lm_head]\n")
+                  "algorithm:\n  - autoround: {iters: 4, keep: all}\nignore: [lm_head]\n")
     res.update(jobs_only(launch(tmp, [{"name": "ar", "model": str(model), "recipe": str(ar), "out": str(tmp / "ar"),
                                        "options": _options(calib_file)}])))
     res.update(jobs_only(launch(tmp, [{"name": "ar-interrupted", "model": str(model), "recipe": str(ar),

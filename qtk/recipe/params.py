@@ -414,11 +414,6 @@ class AutoRoundParams(StepParams):
     (auto-round's); `all`, of those and the last step's, the ones with the lower loss over every calibration batch
     (two more forward passes over them per layer): a batch-to-batch spread of the loss (NVFP4 W4A4 with a layer whose
     rare tokens carry large errors) makes the lowest single-batch loss partly luck.
-    restarts: run the descent this many times per layer, each from round to nearest (and smoothing scales of 1) in
-    its own batch order (the first in `seed`'s), and keep the restart whose kept parameters have the lowest loss over
-    every calibration batch: where what a layer converges to depends on the order of its batches (the same W4A4
-    layer of massive-activation tokens lands an order of magnitude apart), restarts make that order a choice instead
-    of a draw. Costs restarts times the descent, and one forward over every batch per restart.
     Int weights per channel or group (W4A16, W8A16, W4A8; symmetric or not) and FP4 groups (NVFP4, MXFP4; W4A16 or
     W4A4); quantized activations are fake-quantized as the engine does while the rounding is learned."""
 
@@ -432,7 +427,6 @@ class AutoRoundParams(StepParams):
     smooth: bool = False
     smooth_lr: float = 0.0
     keep: str = "batch"
-    restarts: int = 1
 
     needs_data = True
     iterative = True
@@ -458,13 +452,11 @@ class AutoRoundParams(StepParams):
     def cost(self, model: ModelCost) -> StepCost:
         """One forward of each layer for its float outputs (the loss's target), kept beside its inputs; then iters
         forward and backward passes (about 3 forwards' FLOPs) over one calibration batch (convert's default
-        --batch-size, 8 windows); with keep: all, two forwards over every window; all of it once per restart, and
-        with several restarts under keep: batch, one forward over every window each."""
+        --batch-size, 8 windows); with keep: all, two forwards over every window."""
         batch_tokens = model.tokens * min(8, model.samples) // max(model.samples, 1)
         flops = self.iters * 3 * 2 * model.layer_params * batch_tokens * model.layers
-        passes = 2 if self.keep == "all" else (1 if self.restarts > 1 else 0)  # forwards over every window
-        flops += passes * 2 * model.layer_params * model.tokens * model.layers
-        flops *= self.restarts
+        if self.keep == "all":  # two candidates' forwards over every calibration window
+            flops += 2 * 2 * model.layer_params * model.tokens * model.layers
         outputs = model.tokens * model.widest * 4
         if not self.float_stream:
             return StepCost(input_passes=1, forward_flops=flops, memory=outputs, memory_key="autoround_outputs",
@@ -493,8 +485,6 @@ class AutoRoundParams(StepParams):
         if self.keep not in ("batch", "all"):
             raise UsageError(f"{where}.keep: must be batch or all, got {self.keep!r}",
                              "use keep: all (the lower loss over every calibration batch) or batch (auto-round's)")
-        if not 1 <= self.restarts <= 64:
-            raise UsageError(f"{where}.restarts: must be in 1..64, got {self.restarts}", "use e.g. 2 (1: a single descent)")
 
     def check_recipe(self, recipe, origin: str) -> None:
         """Weights on a grid it learns on in every scheme of the recipe (Format.learned_grid: int per channel or group,

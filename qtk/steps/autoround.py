@@ -8,9 +8,7 @@ decaying linearly to 0 over the iterations, rounding passed through by the strai
 the MSE between the layer's outputs with the fake-quantized weights (and, for W4A8 / W4A4, its Linears' inputs
 fake-quantized as the engine does) and the target, on the calibration batches (one batch a step, in a seeded random
 order); the parameters of the lowest loss seen are kept (auto-round's best-loss tracking), or with keep: all, of
-those and the last step's, the ones with the lower loss over every batch. With restarts: N, the descent runs N times
-from round to nearest, each in its own batch order, and the restart whose kept parameters have the lowest loss over
-every batch wins: where a layer's outcome depends on the order its batches came in, the order is not luck.
+those and the last step's, the ones with the lower loss over every batch.
 
 The target (params.target) is by default the float model's own hidden states after this layer, which the loop
 carries beside the quantized stream (LayerContext.float_outputs): the quantized layer on the quantized model's inputs
@@ -50,9 +48,6 @@ from qtk.steps.smoothing import fold, smoothed_weight, smoothing_pairs
 V_BOUND = 0.5  # |V|: an offset of more than half a step would skip a grid point
 CLIP_BOUNDS = (0.5, 1.0)  # the factors on a group's min and max: clip at most half the range, never widen it
 _TINY = 2.0 ** -126
-# restart r > 0 draws its batch order from seed + layer index + r * this, clear of the seeds other layers and
-# seeds use (restart 0 keeps the order of a single run)
-RESTART_SEED_STRIDE = 1_000_003
 
 
 def round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -338,8 +333,7 @@ class AutoRoundRecord(StepRecord):
     """One layer's optimisation: iterations run, the one whose parameters were kept (lowest loss; `iters` where
     keep: all kept the last step's), the loss at the first (round to nearest, min-max scales), the lowest one's, and
     the last one's (mean squared error of the layer's outputs, each on its step's batch); with keep: all, the kept
-    parameters' loss over every batch; with restarts, the one kept and each one's loss over every batch (the
-    other fields are the kept one's); with `smooth`, the learned smoothing scales folded in ({prev: s}, as AWQ
+    parameters' loss over every batch; with `smooth`, the learned smoothing scales folded in ({prev: s}, as AWQ
     records its own), the frame the weights were quantized in."""
 
     name = "autoround"
@@ -349,9 +343,7 @@ class AutoRoundRecord(StepRecord):
     best_loss: float = 0.0
     last_loss: float = 0.0
     scales: dict[str, list[float]] = field(default_factory=dict)
-    kept_loss: float = 0.0  # with keep: all or restarts, the kept parameters' loss over every batch (0: not measured)
-    restart: int = 0  # with restarts, the one kept
-    restart_losses: list[float] = field(default_factory=list)  # with restarts, each one's kept loss over every batch
+    kept_loss: float = 0.0  # with keep: all, the kept parameters' loss over every calibration batch (0: not measured)
 
     def to_json(self) -> dict:
         out = {"iters": self.iters, "best_iter": self.best_iter, "initial_loss": self.initial_loss,
@@ -360,16 +352,12 @@ class AutoRoundRecord(StepRecord):
             out["s"] = dict(self.scales)
         if self.kept_loss:
             out["kept_loss"] = self.kept_loss
-        if self.restart_losses:
-            out["restart"] = self.restart
-            out["restart_losses"] = list(self.restart_losses)
         return out
 
     @classmethod
     def from_json(cls, data) -> "AutoRoundRecord":
         return cls(int(data["iters"]), int(data["best_iter"]), float(data["initial_loss"]), float(data["best_loss"]),
-                   float(data["last_loss"]), dict(data.get("s") or {}), float(data.get("kept_loss") or 0.0),
-                   int(data.get("restart") or 0), [float(x) for x in data.get("restart_losses") or []])
+                   float(data["last_loss"]), dict(data.get("s") or {}), float(data.get("kept_loss") or 0.0))
 
     def reframe(self, W, rel, arch):
         return smoothed_weight(W, rel, arch, self.scales) if self.scales else W
@@ -436,39 +424,13 @@ def _fold_learned(ctx: LayerContext, smoothing: LearnedSmoothing, learners: dict
 
 def _learn(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learner], dtypes, targets,
            smoothing: LearnedSmoothing | None = None) -> AutoRoundRecord:
-    """Signed gradient descent on every learner of the layer at once (and the smoothing scales, given them), once per
-    restart, each from round to nearest (and scales of 1) in its own batch order; the kept parameters are left in the
-    learners (and the scales): with one restart, those `keep` chooses; with several, the restart whose kept
-    parameters have the lowest loss over every calibration batch."""
-    smooth_p = smoothing.params() if smoothing is not None else []
-    if params.restarts == 1:
-        return _descend(ctx, params, learners, dtypes, targets, smoothing, 0)
-    start = _state(learners, smooth_p)
-    kept, kept_state, losses = None, None, []
-    for r in range(params.restarts):
-        if r:
-            _restore(learners, smooth_p, start)
-        record = _descend(ctx, params, learners, dtypes, targets, smoothing, r)
-        if not record.kept_loss:  # keep: batch chose within the restart; the restarts are compared on every batch
-            record.kept_loss = _loss_on_all(ctx, learners, dtypes, targets, smoothing)
-        losses.append(record.kept_loss)
-        if kept is None or record.kept_loss < kept.kept_loss:
-            kept, kept_state = record, _state(learners, smooth_p)
-            kept.restart = r
-    _restore(learners, smooth_p, kept_state)
-    kept.restart_losses = losses
-    return kept
-
-
-def _descend(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Learner], dtypes, targets,
-             smoothing: LearnedSmoothing | None, restart: int) -> AutoRoundRecord:
-    """One signed gradient descent from the learners' current parameters, in restart `restart`'s batch order; the
-    parameters `keep` chooses are left in the learners (and the scales)."""
+    """Signed gradient descent on every learner of the layer at once (and the smoothing scales, given them); the
+    parameters of the lowest loss are left in the learners (and the scales)."""
     batches, reducer = ctx.batches, ctx.reducer
     round_p = [p for lr in learners.values() for p in lr.round_params()]
     clip_p = [p for lr in learners.values() for p in lr.clip_params()]
     smooth_p = smoothing.params() if smoothing is not None else []
-    order = batch_order(len(batches), params.iters, params.seed + ctx.index + restart * RESTART_SEED_STRIDE)
+    order = batch_order(len(batches), params.iters, params.seed + ctx.index)
     best, best_iter, best_state = math.inf, 0, None
     initial = last = math.nan
     for it, j in enumerate(order):
@@ -488,7 +450,8 @@ def _descend(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Lea
             initial = last
         if last < best:  # the parameters that gave this loss, before this step moves them
             best, best_iter = last, it
-            best_state = _state(learners, smooth_p)
+            best_state = {t: lr.snapshot() for t, lr in learners.items()}
+            best_scales = [p.detach().clone() for p in smooth_p]
         decay = 1.0 - it / params.iters  # linear to 0, as auto-round's LinearLR(start 1, end 0)
         with torch.no_grad():
             for p in round_p:
@@ -504,19 +467,15 @@ def _descend(ctx: LayerContext, params: AutoRoundParams, learners: dict[str, Lea
     if best_state is not None:
         keep_all = params.keep == "all"  # a single batch's lowest loss can be luck: ask every batch
         if keep_all:  # the learners hold the last step's parameters
-            last_state = _state(learners, smooth_p)
+            last_state = ({t: lr.snapshot() for t, lr in learners.items()}, [p.detach().clone() for p in smooth_p])
             last_loss = _loss_on_all(ctx, learners, dtypes, targets, smoothing)
-        _restore(learners, smooth_p, best_state)
+        _restore(learners, smooth_p, (best_state, best_scales))
         if keep_all:
             kept_loss = _loss_on_all(ctx, learners, dtypes, targets, smoothing)
             if last_loss < kept_loss:
                 _restore(learners, smooth_p, last_state)
                 kept_loss, best_iter = last_loss, params.iters
     return AutoRoundRecord(params.iters, best_iter, initial, best, last, kept_loss=kept_loss)
-
-
-def _state(learners: dict, smooth_p: list[torch.Tensor]):
-    return {t: lr.snapshot() for t, lr in learners.items()}, [p.detach().clone() for p in smooth_p]
 
 
 def _restore(learners: dict, smooth_p: list[torch.Tensor], state) -> None:
