@@ -135,6 +135,30 @@ def losses(out: Path) -> dict:
             for k, v in sorted(recs.items(), key=lambda kv: int(kv[0]))}
 
 
+def kept_entries(path: Path, settings: dict, replace: bool) -> dict:
+    """The entries of the results file a run of these settings adds to: all of them where the file's settings are
+    these, none for a new file or with `replace`; a file of other settings is refused (exit 2) rather than dropped."""
+    prev = json.loads(path.read_text()) if path.is_file() else {}
+    if prev.get("settings") == settings:
+        return dict(prev.get("recipes", {}))
+    if prev.get("recipes") and not replace:
+        old = prev.get("settings", {})
+        differ = sorted(k for k in {*settings, *old} if settings.get(k) != old.get(k))
+        print(f"{path} holds {len(prev['recipes'])} entries measured with other settings ({', '.join(differ)}): "
+              "pass --json PATH to write a new file, or --replace to start this one over", file=sys.stderr)
+        sys.exit(2)
+    return {}
+
+
+def threads_used(report: dict) -> str:
+    """The thread counts the rows ran with (each entry's `threads`): a different --threads changes only the order
+    of float sums, so rows of several counts share one table."""
+    n = sorted({e["threads"] for e in report["recipes"].values() if "threads" in e})
+    if len(n) == 1:
+        return f"{n[0]} thread{'s' if n[0] > 1 else ''}"
+    return f"{', '.join(map(str, n))} threads (each row's in the JSON)" if n else "threads not recorded"
+
+
 def render(report: dict) -> str:
     s = report["settings"]
     text = f"Text set {s['text']} (calib.jsonl to calibrate, heldout.jsonl scored). " if s.get("text") else ""
@@ -143,9 +167,10 @@ def render(report: dict) -> str:
     lines = [f"{text}{s['num_samples']} x {s['seq_len']} calibration token ids shared by every conversion (batches of "
              f"{s['batch_size']}){iters}; held-out perplexity "
              f"over {report['perplexity_tokens']} tokens in windows of {s['ppl_seq_len']} (unquantized: {report['unquantized_perplexity']:.3f}); "
-             f"`nice`, {s['threads']} threads on a shared 2-core machine (times are indicative).", "",
+             f"`nice`, {threads_used(report)} on a shared 2-core machine (times are indicative).", "",
              "| recipe | held-out ppl | convert wall s | convert peak RSS MB | solver step s | solver step peak +RSS MB "
              "| layer output MSE, first -> kept (mean over layers) |", "|---|---|---|---|---|---|---|"]
+    notes: list[str] = []
     for name, e in report["recipes"].items():
         st = e.get("steps", {})
         solver = next((n for n in ("autoround", "gptq", "awq", "rtn") if n in st), None)
@@ -157,6 +182,10 @@ def render(report: dict) -> str:
             best = sum(v["best"] for v in ls.values()) / len(ls)
             mse = f"{first:.4g} -> {best:.4g}"
         label = f"{e['peer']} (peer){group}" if e.get("peer") else f"`{name}`{group}"
+        if e.get("measured_with"):  # code other than the file's command ran it: the note under the table says which
+            if e["measured_with"] not in notes:
+                notes.append(e["measured_with"])
+            label += f" [{notes.index(e['measured_with']) + 1}]"
         if e.get("activations_only"):
             sites = floor_sites(name)[1]
             what = f"only the inputs of {', '.join(sites)} quantized" if sites else \
@@ -166,6 +195,8 @@ def render(report: dict) -> str:
         lines.append(f"| {label} | {e['perplexity']:.3f} | {e['wall_s']:.0f} | {e['peak_rss_mb']:.0f} | "
                      f"{'—' if solver is None else format(st[solver]['s'], '.1f') + f' ({solver})'} | "
                      f"{'—' if solver is None else format(st[solver]['peak_extra_rss_mb'], '.0f')} | {mse} |")
+    if notes:
+        lines += ["", *(f"- [{i}] {n}" for i, n in enumerate(notes, 1))]
     return "\n".join(lines)
 
 
@@ -186,7 +217,10 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--ppl-seq-len", type=int, default=512, help="held-out window length (the other tables' 512)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (recorded per entry: rows of several counts "
+                    "share one results file)")
+    ap.add_argument("--replace", action="store_true", help="start the results file over when it holds entries "
+                    "measured with other settings (refused otherwise)")
     ap.add_argument("--peer-python", type=Path, default=None,
                     help="a python with PyPI auto-round installed (a throwaway venv): also run intel/auto-round itself "
                          "on the same ids (benchmarks/_autoround_peer.py)")
@@ -213,23 +247,20 @@ def main():
     from qtk.calib import ids_hash
 
     model, cfg, in_features, tok, ids, ids_file = rm.model_and_ids(a, a.work)
+    settings = {"num_samples": a.num_samples, "seq_len": a.seq_len, "seed": a.seed, "batch_size": a.batch_size,
+                "iters": a.iters or 200, "ppl_seq_len": a.ppl_seq_len, "calib_ids_sha256_16": ids_hash(ids),
+                **({"text": f"examples/{rm.TEXT.name}"} if a.text != "a" else {})}
+    results = kept_entries(a.json, settings, a.replace)
     windows, _ = rm.heldout_windows(tok, a.ppl_tokens, a.ppl_seq_len)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     base_ppl = rm.perplexity(base, windows)
     del base
     print(f"unquantized perplexity {base_ppl:.4f}", flush=True)
-    settings = {"num_samples": a.num_samples, "seq_len": a.seq_len, "seed": a.seed, "batch_size": a.batch_size,
-                "iters": a.iters or 200, "ppl_seq_len": a.ppl_seq_len, "threads": a.threads, "calib_ids_sha256_16": ids_hash(ids),
-                **({"text": f"examples/{rm.TEXT.name}"} if a.text != "a" else {})}
-    results = {}
-    prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
-    if prev.get("settings") == settings:
-        results = dict(prev.get("recipes", {}))  # entries of recipes not run this time are kept
     peer = "auto-round (peer)" if a.peer_scheme == "W4A16" else f"auto-round {a.peer_scheme} (peer)"
     runs = [*a.recipes, *([peer] if a.peer_python else [])]
     for name in runs:
         if name == peer:
-            results[name] = run_peer(a, model, ids_file, in_features, windows)
+            results[name] = {**run_peer(a, model, ids_file, in_features, windows), "threads": a.threads}
             print(name, results[name], flush=True)
             save(a, results, settings, model, windows, base_ppl)
             continue
@@ -239,7 +270,7 @@ def main():
             ppl = activations_only_ppl(model, rm.qtk_recipe_doc(base_name, in_features), ids, windows,
                                        a.batch_size, sites)
             results[name] = {"perplexity": round(ppl, 4), "wall_s": round(time.perf_counter() - t0, 1), "steps": {},
-                             "activations_only": True}
+                             "activations_only": True, "threads": a.threads}
             print(name, results[name], flush=True)
             save(a, results, settings, model, windows, base_ppl)
             continue
@@ -256,7 +287,7 @@ def main():
         steps = {k: {"s": round(v["s"], 2), "peak_extra_rss_mb": round(v["peak_extra_rss_mb"]), "layers": v["layers"]}
                  for k, v in t["steps"].items()}
         results[name] = {"perplexity": round(ppl, 4), "wall_s": round(wall, 1), "peak_rss_mb": round(rss / 1e6),
-                         "group_size": doc["weights"].get("group_size"), "steps": steps,
+                         "group_size": doc["weights"].get("group_size"), "steps": steps, "threads": a.threads,
                          "algorithm": doc["algorithm"], **({"layer_losses": losses(out)} if "autoround" in steps else {})}
         print(name, {k: v for k, v in results[name].items() if k != "layer_losses"}, flush=True)
         save(a, results, settings, model, windows, base_ppl)

@@ -198,3 +198,24 @@ def test_activations_only_perplexity_quantizes_the_inputs_and_nothing_else(tmp_p
     assert o_only != pytest.approx(base, rel=1e-6) and o_only != pytest.approx(w4a4, rel=1e-6)
     with pytest.raises(SystemExit, match="no quantized activations"):
         ar.activations_only_ppl(model, ar.rm.qtk_recipe_doc("nvfp4", [64, 128]), ids, windows, 4, ["no_such_proj"])
+
+
+def test_autoround_benchmark_keeps_or_refuses_a_results_file_of_other_settings(tmp_path, capsys):
+    """A run adds to the results file of its own settings and keeps the other entries; a file of other settings is
+    refused in one line naming what differs (exit 2, the file untouched) unless --replace starts it over. The thread
+    count is each row's, not a setting: rows run with --threads 1 and 2 share a table, which says so."""
+    ar = _load(ROOT / "benchmarks" / "autoround.py", "bench_autoround")
+    path = tmp_path / "r.json"
+    settings = {"num_samples": 8, "seq_len": 32, "iters": 50}
+    assert ar.kept_entries(path, settings, False) == {}
+    text = json.dumps({"settings": settings, "recipes": {"w4a16": {"perplexity": 1.5, "threads": 2}}})
+    path.write_text(text)
+    assert ar.kept_entries(path, dict(settings), False) == {"w4a16": {"perplexity": 1.5, "threads": 2}}
+    with pytest.raises(SystemExit) as e:
+        ar.kept_entries(path, {**settings, "iters": 200}, False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "1 entries measured with other settings (iters)" in err[0]
+    assert path.read_text() == text
+    assert ar.kept_entries(path, {**settings, "iters": 200}, True) == {}
+    assert ar.threads_used({"recipes": {"a": {"threads": 2}, "b": {"threads": 2}}}) == "2 threads"
+    assert ar.threads_used({"recipes": {"a": {"threads": 1}, "b": {"threads": 2}}}).startswith("1, 2 threads")
