@@ -143,10 +143,7 @@ def kept_entries(path: Path, settings: dict, replace: bool) -> dict:
         return dict(prev.get("recipes", {}))
     if prev.get("recipes") and not replace:
         old = prev.get("settings", {})
-        differ = sorted(k for k in {*settings, *old} if settings.get(k) != old.get(k))
-        print(f"{path} holds {len(prev['recipes'])} entries measured with other settings ({', '.join(differ)}): "
-              "pass --json PATH to write a new file, or --replace to start this one over", file=sys.stderr)
-        sys.exit(2)
+        rm.refuse_other_settings(path, len(prev["recipes"]), [k for k in {*settings, *old} if settings.get(k) != old.get(k)])
     return {}
 
 

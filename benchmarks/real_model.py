@@ -284,6 +284,27 @@ def model_and_ids(a, work: Path):
     return model, cfg, in_features, tok, ids, ids_file
 
 
+def kept_results(path: Path, prev: dict, ids_sha: str, heldout_tokens: int, replace: bool) -> dict:
+    """The entries of the results file `prev` a run adds to: all of them where it was measured on the same
+    calibration ids and held-out tokens; none for a new file or with `replace`; otherwise refused."""
+    setup = {"calib_ids_sha256_16": ids_sha, "heldout_tokens": heldout_tokens}
+    was = {"calib_ids_sha256_16": prev.get("settings", {}).get("calib_ids_sha256_16"),
+           "heldout_tokens": prev.get("perplexity_eval", {}).get("tokens")}
+    if was == setup:
+        return dict(prev.get("recipes", {}))
+    if prev.get("recipes") and not replace:
+        refuse_other_settings(path, len(prev["recipes"]), [k for k in setup if setup[k] != was[k]])
+    return {}
+
+
+def refuse_other_settings(path: Path, entries: int, differ: list[str]) -> None:
+    """A run whose settings differ from its results file's would drop the file's entries: refuse it in one line
+    naming what differs and the way out (exit 2, the file untouched)."""
+    print(f"{path} holds {entries} entries measured with other settings ({', '.join(sorted(differ))}): "
+          "pass --json PATH to write a new file, or --replace to start this one over", file=sys.stderr)
+    sys.exit(2)
+
+
 def heldout_windows(tokenizer, n_tokens: int, seq_len: int):
     """[n, seq_len] windows: BOS then seq_len - 1 consecutive held-out tokens each, n_tokens text tokens in all."""
     import torch
@@ -444,6 +465,8 @@ def main():
     ap.add_argument("--text", choices=sorted(TEXT_SETS), default="a",
                     help="text set: a = examples/real_text (licences / US Constitution), b = examples/real_text_b "
                          "(Debian handbook / Python tutorial)")
+    ap.add_argument("--replace", action="store_true", help="start the results file over when its entries were "
+                    "measured on other calibration ids or held-out tokens (refused otherwise)")
     a = ap.parse_args()
     global TEXT, MARK
     folder, results_name, MARK = TEXT_SETS[a.text]
@@ -472,10 +495,8 @@ def main():
           f"{heldout_total} tokens; held-out 16-token runs found in the calibration ids: {overlap}", flush=True)
 
     prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
-    same_setup = prev.get("settings", {}).get("calib_ids_sha256_16") == ids_hash(ids) and \
-        prev.get("perplexity_eval", {}).get("tokens") == windows.numel() - len(windows)
-    results = dict(prev.get("recipes", {})) if same_setup else {}
-    if same_setup and "unquantized_perplexity" in prev:
+    results = kept_results(a.json, prev, ids_hash(ids), windows.numel() - len(windows), a.replace)
+    if results and "unquantized_perplexity" in prev:  # entries of the same ids and held-out tokens: their baseline
         base_ppl = prev["unquantized_perplexity"]
     else:
         base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()

@@ -200,10 +200,11 @@ def test_activations_only_perplexity_quantizes_the_inputs_and_nothing_else(tmp_p
         ar.activations_only_ppl(model, ar.rm.qtk_recipe_doc("nvfp4", [64, 128]), ids, windows, 4, ["no_such_proj"])
 
 
-def test_autoround_benchmark_keeps_or_refuses_a_results_file_of_other_settings(tmp_path, capsys):
-    """A run adds to the results file of its own settings and keeps the other entries; a file of other settings is
-    refused in one line naming what differs (exit 2, the file untouched) unless --replace starts it over. The thread
-    count is each row's, not a setting: rows run with --threads 1 and 2 share a table, which says so."""
+def test_benchmarks_keep_or_refuse_a_results_file_of_other_settings(tmp_path, capsys):
+    """benchmarks/autoround.py: a run adds to the results file of its own settings and keeps the other entries; a
+    file of other settings is refused in one line naming what differs (exit 2, the file untouched) unless --replace
+    starts it over. The thread count is each row's, not a setting: rows run with --threads 1 and 2 share a table,
+    which says so. benchmarks/real_model.py keeps or refuses the same way on its calibration ids and held-out tokens."""
     ar = _load(ROOT / "benchmarks" / "autoround.py", "bench_autoround")
     path = tmp_path / "r.json"
     settings = {"num_samples": 8, "seq_len": 32, "iters": 50}
@@ -218,4 +219,12 @@ def test_autoround_benchmark_keeps_or_refuses_a_results_file_of_other_settings(t
     assert path.read_text() == text
     assert ar.kept_entries(path, {**settings, "iters": 200}, True) == {}
     assert ar.threads_used({"recipes": {"a": {"threads": 2}, "b": {"threads": 2}}}) == "2 threads"
+    # benchmarks/real_model.py: the same on its own keys, the calibration ids and the held-out tokens
+    prev = {"settings": {"calib_ids_sha256_16": "ab"}, "perplexity_eval": {"tokens": 4088}, "recipes": {"w4a16": {}}}
+    assert ar.rm.kept_results(path, prev, "ab", 4088, False) == {"w4a16": {}}
+    assert ar.rm.kept_results(path, prev, "cd", 4088, True) == {}
+    with pytest.raises(SystemExit) as e:
+        ar.rm.kept_results(path, prev, "ab", 16352, False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "other settings (heldout_tokens)" in err[0]
     assert ar.threads_used({"recipes": {"a": {"threads": 1}, "b": {"threads": 2}}}).startswith("1, 2 threads")
