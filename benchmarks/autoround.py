@@ -135,18 +135,6 @@ def losses(out: Path) -> dict:
             for k, v in sorted(recs.items(), key=lambda kv: int(kv[0]))}
 
 
-def kept_entries(path: Path, settings: dict, replace: bool) -> dict:
-    """The entries of the results file a run of these settings adds to: all of them where the file's settings are
-    these, none for a new file or with `replace`; a file of other settings is refused (exit 2) rather than dropped."""
-    prev = json.loads(path.read_text()) if path.is_file() else {}
-    if prev.get("settings") == settings:
-        return dict(prev.get("recipes", {}))
-    if prev.get("recipes") and not replace:
-        old = prev.get("settings", {})
-        rm.refuse_other_settings(path, len(prev["recipes"]), [k for k in {*settings, *old} if settings.get(k) != old.get(k)])
-    return {}
-
-
 def threads_used(report: dict) -> str:
     """The thread counts the rows ran with (each entry's `threads`): a different --threads changes only the order
     of float sums, so rows of several counts share one table."""
@@ -247,7 +235,8 @@ def main():
     settings = {"num_samples": a.num_samples, "seq_len": a.seq_len, "seed": a.seed, "batch_size": a.batch_size,
                 "iters": a.iters or 200, "ppl_seq_len": a.ppl_seq_len, "calib_ids_sha256_16": ids_hash(ids),
                 **({"text": f"examples/{rm.TEXT.name}"} if a.text != "a" else {})}
-    results = kept_entries(a.json, settings, a.replace)
+    prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
+    results = rm.kept_entries(a.json, prev, settings, prev.get("settings", {}), a.replace)
     windows, _ = rm.heldout_windows(tok, a.ppl_tokens, a.ppl_seq_len)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     base_ppl = rm.perplexity(base, windows)

@@ -284,25 +284,25 @@ def model_and_ids(a, work: Path):
     return model, cfg, in_features, tok, ids, ids_file
 
 
-def kept_results(path: Path, prev: dict, ids_sha: str, heldout_tokens: int, replace: bool) -> dict:
-    """The entries of the results file `prev` a run adds to: all of them where it was measured on the same
-    calibration ids and held-out tokens; none for a new file or with `replace`; otherwise refused."""
-    setup = {"calib_ids_sha256_16": ids_sha, "heldout_tokens": heldout_tokens}
-    was = {"calib_ids_sha256_16": prev.get("settings", {}).get("calib_ids_sha256_16"),
-           "heldout_tokens": prev.get("perplexity_eval", {}).get("tokens")}
-    if was == setup:
+def measured_setup(report: dict) -> dict:
+    """What a real_model.py results file's entries share (kept_entries' `was`): the calibration ids and held-out tokens."""
+    return {"calib_ids_sha256_16": report.get("settings", {}).get("calib_ids_sha256_16"),
+            "heldout_tokens": report.get("perplexity_eval", {}).get("tokens")}
+
+
+def kept_entries(path: Path, prev: dict, now: dict, was: dict, replace: bool) -> dict:
+    """The entries of the results file `prev` (read from `path`) that a run adds to: all of them where the settings
+    it was measured with (`was`) are this run's (`now`); none for a new file or with `replace`. A file of other
+    settings is refused in one line naming what differs and the way out (exit 2, the file untouched): the run would
+    otherwise drop its entries."""
+    if was == now:
         return dict(prev.get("recipes", {}))
     if prev.get("recipes") and not replace:
-        refuse_other_settings(path, len(prev["recipes"]), [k for k in setup if setup[k] != was[k]])
+        differ = sorted(k for k in {*now, *was} if now.get(k) != was.get(k))
+        print(f"{path} holds {len(prev['recipes'])} entries measured with other settings ({', '.join(differ)}): "
+              "pass --json PATH to write a new file, or --replace to start this one over", file=sys.stderr)
+        sys.exit(2)
     return {}
-
-
-def refuse_other_settings(path: Path, entries: int, differ: list[str]) -> None:
-    """A run whose settings differ from its results file's would drop the file's entries: refuse it in one line
-    naming what differs and the way out (exit 2, the file untouched)."""
-    print(f"{path} holds {entries} entries measured with other settings ({', '.join(sorted(differ))}): "
-          "pass --json PATH to write a new file, or --replace to start this one over", file=sys.stderr)
-    sys.exit(2)
 
 
 def heldout_windows(tokenizer, n_tokens: int, seq_len: int):
@@ -495,7 +495,8 @@ def main():
           f"{heldout_total} tokens; held-out 16-token runs found in the calibration ids: {overlap}", flush=True)
 
     prev = json.loads(a.json.read_text()) if a.json.is_file() else {}
-    results = kept_results(a.json, prev, ids_hash(ids), windows.numel() - len(windows), a.replace)
+    results = kept_entries(a.json, prev, {"calib_ids_sha256_16": ids_hash(ids), "heldout_tokens": windows.numel() - len(windows)},
+                           measured_setup(prev), a.replace)
     if results and "unquantized_perplexity" in prev:  # entries of the same ids and held-out tokens: their baseline
         base_ppl = prev["unquantized_perplexity"]
     else:

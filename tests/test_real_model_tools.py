@@ -201,30 +201,34 @@ def test_activations_only_perplexity_quantizes_the_inputs_and_nothing_else(tmp_p
 
 
 def test_benchmarks_keep_or_refuse_a_results_file_of_other_settings(tmp_path, capsys):
-    """benchmarks/autoround.py: a run adds to the results file of its own settings and keeps the other entries; a
-    file of other settings is refused in one line naming what differs (exit 2, the file untouched) unless --replace
-    starts it over. The thread count is each row's, not a setting: rows run with --threads 1 and 2 share a table,
-    which says so. benchmarks/real_model.py keeps or refuses the same way on its calibration ids and held-out tokens."""
+    """Both benchmarks' kept_entries: a run adds to the results file of its own settings and keeps the other entries;
+    a file of other settings is refused in one line naming what differs (exit 2, the file untouched) unless --replace
+    starts it over (autoround.py's settings; real_model.py's calibration ids and held-out tokens). autoround.py's
+    thread count is each row's, not a setting: rows run with --threads 1 and 2 share a table, which says so."""
     ar = _load(ROOT / "benchmarks" / "autoround.py", "bench_autoround")
     path = tmp_path / "r.json"
     settings = {"num_samples": 8, "seq_len": 32, "iters": 50}
-    assert ar.kept_entries(path, settings, False) == {}
+    assert ar.rm.kept_entries(path, {}, settings, {}, False) == {}
     text = json.dumps({"settings": settings, "recipes": {"w4a16": {"perplexity": 1.5, "threads": 2}}})
     path.write_text(text)
-    assert ar.kept_entries(path, dict(settings), False) == {"w4a16": {"perplexity": 1.5, "threads": 2}}
+    prev = json.loads(text)
+    assert ar.rm.kept_entries(path, prev, dict(settings), prev["settings"], False) == {
+        "w4a16": {"perplexity": 1.5, "threads": 2}}
     with pytest.raises(SystemExit) as e:
-        ar.kept_entries(path, {**settings, "iters": 200}, False)
+        ar.rm.kept_entries(path, prev, {**settings, "iters": 200}, prev["settings"], False)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "1 entries measured with other settings (iters)" in err[0]
     assert path.read_text() == text
-    assert ar.kept_entries(path, {**settings, "iters": 200}, True) == {}
+    assert ar.rm.kept_entries(path, prev, {**settings, "iters": 200}, prev["settings"], True) == {}
     assert ar.threads_used({"recipes": {"a": {"threads": 2}, "b": {"threads": 2}}}) == "2 threads"
     # benchmarks/real_model.py: the same on its own keys, the calibration ids and the held-out tokens
     prev = {"settings": {"calib_ids_sha256_16": "ab"}, "perplexity_eval": {"tokens": 4088}, "recipes": {"w4a16": {}}}
-    assert ar.rm.kept_results(path, prev, "ab", 4088, False) == {"w4a16": {}}
-    assert ar.rm.kept_results(path, prev, "cd", 4088, True) == {}
+    was = ar.rm.measured_setup(prev)
+    assert was == {"calib_ids_sha256_16": "ab", "heldout_tokens": 4088}
+    assert ar.rm.kept_entries(path, prev, dict(was), was, False) == {"w4a16": {}}
+    assert ar.rm.kept_entries(path, prev, {**was, "calib_ids_sha256_16": "cd"}, was, True) == {}
     with pytest.raises(SystemExit) as e:
-        ar.rm.kept_results(path, prev, "ab", 16352, False)
+        ar.rm.kept_entries(path, prev, {**was, "heldout_tokens": 16352}, was, False)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "other settings (heldout_tokens)" in err[0]
     assert ar.threads_used({"recipes": {"a": {"threads": 1}, "b": {"threads": 2}}}).startswith("1, 2 threads")
